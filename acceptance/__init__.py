@@ -1,0 +1,32 @@
+"""Acceptance rules, importable as `mmspec.acceptance` (one file per rule).
+
+`RULES` maps a name to a rule class so that `speculative_generate(acceptance="exact")` and
+pipelines can pick a rule by name. Every rule implements `mmspec.AcceptanceRule`.
+"""
+
+from __future__ import annotations
+
+from .base import ChainRule, check_chain_inputs
+from .exact import ExactAcceptance
+from .greedy import GreedyAcceptance
+
+RULES: dict[str, type] = {
+    "greedy": GreedyAcceptance,
+    "exact": ExactAcceptance,
+}
+
+
+def get_rule(rule, **kwargs):
+    """A rule object from a name in RULES (built with kwargs) or a rule object itself."""
+    if isinstance(rule, str):
+        if rule not in RULES:
+            raise ValueError(f"acceptance={rule!r} is not a known rule; choose one of {sorted(RULES)} or pass a rule object")
+        return RULES[rule](**kwargs)
+    if not all(hasattr(rule, m) for m in ("verify", "accept_probability", "residual", "sample")):
+        raise TypeError(
+            f"acceptance must be a name in {sorted(RULES)} or an object implementing mmspec.AcceptanceRule, got {type(rule).__name__}"
+        )
+    return rule
+
+
+__all__ = ["RULES", "get_rule", "ChainRule", "check_chain_inputs", "ExactAcceptance", "GreedyAcceptance"]

@@ -1,0 +1,179 @@
+"""`ModelDrafter`: any HF causal LM sharing the target's vocabulary drafts chains or
+EAGLE-2-style dynamic trees.
+
+Chains (Leviathan et al. 2023; gpt-fast's `speculative_decode`): K autoregressive drafter
+forwards; tokens are sampled from the processed drafter distribution q (temperature > 0,
+`draft_probs` returned) or taken greedily (temperature 0, q one-hot).
+
+Dynamic trees (EAGLE-2, Li et al. 2024, arXiv 2406.16858, github.com/SafeAILab/EAGLE):
+expand the `top_k` children of each of the `top_k` best frontier nodes, ranking by
+cumulative drafter log-probability; the next frontier is the best `top_k` of those
+`top_k**2` candidates; after `depth` levels keep the `num_nodes` best nodes of the whole
+pool. A child's score never exceeds its parent's, so the kept set is closed under
+ancestors (a tiny depth penalty breaks ties the right way). Tree children are deterministic,
+so tree drafts carry no q.
+
+Cache bookkeeping: the drafter keeps its own `RaggedCache`. Tokens committed by the step
+but not yet seen by the drafter (`pending`: the accepted tree path, or the last chain token
+when every draft was accepted) are run together with the new root in one catch-up forward
+at the start of `propose`. Image inputs are not passed: this drafter reads text only
+(Gagrani et al. 2024 show text-only drafters are a strong VLM baseline).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmspec.models.hf_cache import HFRunner
+from mmspec.models.hf_target import chain_visibility, text_vocab_size
+from mmspec.sampling import SamplingConfig, process_logits, sample_from
+from mmspec.tree import chain_parents
+from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig
+
+
+class ModelDrafter:
+    """Drafts with a small HF causal LM."""
+
+    def __init__(self, model, num_draft_tokens: int = 4, tree: TreeConfig | None = None):
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
+        if tree is not None and not isinstance(tree, TreeConfig):
+            raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
+        if not hasattr(model, "config") or not callable(model):
+            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        self.model = model
+        self.num_draft_tokens = num_draft_tokens
+        self.tree = tree
+        self.vocab_size = text_vocab_size(model)
+        self.runner = HFRunner(model)
+        self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
+        self.draft_calls = 0
+
+    # ---- protocol --------------------------------------------------------------------------
+    def prefill(self, input_ids, attention_mask, target_out: TargetOutput, model_inputs: dict[str, Any], max_new_tokens: int):
+        if self.tree is not None:
+            region = self.tree.depth * self.tree.top_k + self.tree.depth + 2
+        else:
+            region = self.num_draft_tokens + 2
+        slots = input_ids.shape[1] + max_new_tokens + region + 2
+        self.runner.prefill(input_ids, attention_mask, slots, {})
+        B = input_ids.shape[0]
+        self.pending = input_ids.new_zeros(B, 0)
+        self.pending_count = input_ids.new_zeros(B)
+        self.pending_host = [0] * B
+        self.draft_calls = 1
+
+    def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
+        B = roots.shape[0]
+        device = roots.device
+        K = self.num_draft_tokens
+        if self.tree is None and K == 0:
+            # Nothing to draft: the drafter still records the committed tokens.
+            self._catch_up(roots)
+            return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
+        logits = self._catch_up(roots)  # [B, V] at the root
+        if self.tree is not None:
+            return self._propose_tree(logits)
+        tokens, probs = [], []
+        for i in range(K):
+            q = process_logits(logits, sampling)
+            d = q.argmax(-1) if sampling.greedy else sample_from(q, generator)
+            tokens.append(d)
+            probs.append(q)
+            if i < K - 1:
+                vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
+                depth = torch.full((B, 1), i, dtype=torch.long, device=device)
+                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, logits_to_keep=1).logits[:, -1]
+                self.draft_calls += 1
+        draft_probs = None if sampling.greedy else torch.stack(probs, 1)
+        return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)
+
+    def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
+        n, n_host = info.num_accepted, info.num_accepted_list
+        if self.tree is None:
+            K = self.num_draft_tokens
+            # Drafts d_0..d_{K-2} were run through the drafter; the accepted ones stay.
+            kept = n.clamp(max=max(K - 1, 0))
+            self.runner.advance(kept, [min(a, max(K - 1, 0)) for a in n_host])
+            full = (n == K) & (K > 0)
+            if K > 0 and any(a == K for a in n_host):
+                self.pending = info.accepted_tokens[:, K - 1 : K]
+                self.pending_count = full.long()
+                self.pending_host = [int(a == K) for a in n_host]
+            else:
+                self.pending = n.new_zeros(n.shape[0], 0)
+                self.pending_count = n.new_zeros(n.shape[0])
+                self.pending_host = [0] * len(n_host)
+        else:
+            width = max(n_host) if n_host else 0
+            self.pending = info.accepted_tokens[:, :width].clamp_min(0)
+            self.pending_count = n
+            self.pending_host = list(n_host)
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        self.runner.select_rows(rows, rows_host)
+        self.pending = self.pending.index_select(0, rows)
+        self.pending_count = self.pending_count.index_select(0, rows)
+        self.pending_host = [self.pending_host[r] for r in rows_host]
+
+    # ---- internals -------------------------------------------------------------------------
+    def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
+        """Run pending tokens + root; returns drafter logits [B, V] at the root."""
+        B, P = self.pending.shape
+        rows = torch.arange(B, device=roots.device)
+        tokens = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)
+        tokens[rows, self.pending_count] = roots
+        vis, depth = chain_visibility(B, P + 1, roots.device)
+        out = self.runner.forward(tokens, depth, vis, 0)
+        self.draft_calls += 1
+        self.runner.advance(self.pending_count + 1, [c + 1 for c in self.pending_host])
+        return out.logits[rows, self.pending_count]
+
+    def _propose_tree(self, root_logits: torch.Tensor) -> Draft:
+        cfg = self.tree
+        k = cfg.top_k
+        B = root_logits.shape[0]
+        device = root_logits.device
+        rows = torch.arange(B, device=device).unsqueeze(1)
+        logq = torch.log_softmax(root_logits.float(), -1)
+        scores, toks = logq.topk(k, -1)  # [B, k]
+        pool_tokens, pool_scores, pool_parents, pool_depth = [toks], [scores], [torch.full_like(toks, -1)], [0]
+        frontier_idx = torch.arange(k, device=device).expand(B, k)  # pool indices of the frontier
+        frontier_tokens, frontier_scores = toks, scores
+        parent_vis = torch.zeros(B, k, 0, dtype=torch.bool, device=device)  # region visibility of parents
+        region = 0
+        pool_size = k
+        for level in range(1, cfg.depth):
+            vis = torch.cat([parent_vis, torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)], 2)
+            depth = torch.full((B, k), level - 1, dtype=torch.long, device=device)
+            logits = self.runner.forward(frontier_tokens, depth, vis, region).logits  # [B, k, V]
+            self.draft_calls += 1
+            region += k
+            cand = frontier_scores.unsqueeze(-1) + torch.log_softmax(logits.float(), -1)  # [B, k, V]
+            c_scores, c_toks = cand.topk(k, -1)  # [B, k, k]
+            c_parent = frontier_idx.unsqueeze(-1).expand(B, k, k)
+            c_scores, c_toks, c_parent = (t.reshape(B, k * k) for t in (c_scores, c_toks, c_parent))
+            pool_tokens.append(c_toks)
+            pool_scores.append(c_scores)
+            pool_parents.append(c_parent)
+            pool_depth.append(level)
+            best_scores, best = c_scores.topk(k, -1)  # next frontier, positions within this level
+            parent_slot = best // k  # which frontier node each one hangs under
+            parent_vis = vis[rows, parent_slot]  # [B, k, region]
+            frontier_idx = pool_size + best
+            frontier_tokens = c_toks.gather(1, best)
+            frontier_scores = best_scores
+            pool_size += k * k
+        tokens = torch.cat(pool_tokens, 1)  # [B, M]
+        parents = torch.cat(pool_parents, 1)
+        depth_pen = torch.cat([torch.full_like(s, d) for s, d in zip(pool_scores, pool_depth)], 1)
+        scores = torch.cat(pool_scores, 1) - 1e-6 * depth_pen
+        n = min(cfg.num_nodes, tokens.shape[1])
+        keep = scores.topk(n, -1).indices.sort(-1).values  # pool order: parents first
+        inverse = torch.full_like(tokens, -1)
+        inverse[rows, keep] = torch.arange(n, device=device).expand(B, n)
+        kept_parents = parents.gather(1, keep)
+        new_parents = torch.where(kept_parents >= 0, inverse.gather(1, kept_parents.clamp_min(0)), kept_parents)
+        return Draft(tokens=tokens.gather(1, keep), parents=new_parents, draft_probs=None, is_chain=False)

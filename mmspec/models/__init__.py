@@ -1,0 +1,22 @@
+"""Model adapters. These may import transformers; they are loaded lazily so that
+`import mmspec` stays light."""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "HFTarget": "mmspec.models.hf_target",
+    "HFRunner": "mmspec.models.hf_cache",
+    "RaggedCache": "mmspec.models.hf_cache",
+    "LlamaGenVQ": "mmspec.models.llamagen_vq",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mmspec.models' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

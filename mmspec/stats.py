@@ -1,0 +1,80 @@
+"""`SpecStats`: what a speculative run cost and what it bought.
+
+Conventions (vLLM's): `mean_accepted_length` counts tokens emitted per target verify call
+*including* the bonus / recovered token; `mean_accepted_drafts` is the same without it.
+Per-position rates: `acceptance_rate_per_position[i]` is P(draft i accepted | drafts
+0..i-1 accepted), `acceptance_cumulative[i]` is P(drafts 0..i all accepted), both over
+row-steps. Counts are per row-step, so a batch of B rows verified once counts B times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    target_calls: int = 0  # verify forwards (prefill not included)
+    prefill_calls: int = 0
+    draft_calls: int = 0  # drafter forwards (catch-up + drafting)
+    new_tokens: list[int] = field(default_factory=list)  # per input row
+    row_steps: int = 0  # sum over steps of active rows
+    accepted_drafts: int = 0  # sum over row-steps of accepted draft tokens
+    drafted_nodes: int = 0  # sum over row-steps of draft nodes proposed
+    accept_counts: list[int] = field(default_factory=list)  # [i]: row-steps with >= i+1 accepted
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    distortion_total: float = 0.0  # summed total variation of lossy rules (0 for exact rules)
+
+    def record_step(self, num_accepted: list[int], num_nodes: int) -> None:
+        self.target_calls += 1
+        self.row_steps += len(num_accepted)
+        self.drafted_nodes += num_nodes * len(num_accepted)
+        for n in num_accepted:
+            self.accepted_drafts += n
+            if n > len(self.accept_counts):
+                self.accept_counts.extend([0] * (n - len(self.accept_counts)))
+            for i in range(n):
+                self.accept_counts[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per row per target call, bonus token included."""
+        return (self.accepted_drafts + self.row_steps) / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def mean_accepted_drafts(self) -> float:
+        """Accepted draft tokens per row per target call (no bonus)."""
+        return self.accepted_drafts / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def acceptance_cumulative(self) -> list[float]:
+        return [c / self.row_steps for c in self.accept_counts] if self.row_steps else []
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        out, prev = [], self.row_steps
+        for c in self.accept_counts:
+            out.append(c / prev if prev else 0.0)
+            prev = c
+        return out
+
+    @property
+    def mean_distortion(self) -> float:
+        """Mean total variation moved per row-step by a lossy rule (0 for lossless rules)."""
+        return self.distortion_total / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.new_tokens) / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        rates = ", ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position[:8])
+        return (
+            f"new tokens {sum(self.new_tokens)} in {self.total_seconds:.2f}s "
+            f"({self.tokens_per_second:.1f} tok/s); target calls {self.target_calls}, draft calls "
+            f"{self.draft_calls}; mean accepted length {self.mean_accepted_length:.2f} "
+            f"(drafts {self.mean_accepted_drafts:.2f}); per-position acceptance [{rates}]; "
+            f"draft {self.draft_seconds:.2f}s / verify {self.verify_seconds:.2f}s"
+        )

@@ -1,0 +1,100 @@
+"""Draft-tree bookkeeping and the sibling-by-sibling tree verification walk.
+
+Trees are given per row as `parents[B, N]` (node index of the parent, -1 = the root, i.e.
+the last committed token; parents precede children). Verify position 0 is the root and
+draft node i sits at verify position i + 1.
+
+`verify_tree` applies any `AcceptanceRule` to a tree the way SpecInfer (Miao et al. 2024,
+arXiv 2305.09781) and EAGLE (Li et al. 2024, github.com/SafeAILab/EAGLE) do with
+deterministic children: at the current node try its children in order; accept child x with
+`rule.accept_probability(x, p, q)`; on rejection continue with `p <- rule.residual(x, p, q)`
+and the next sibling; when no child is accepted draw the next token with `rule.sample(p)`.
+Tree children are deterministic (top-k), so q is one-hot (None). The walk visits nodes in
+index order, which is vectorised over the batch; a row only acts on nodes whose parent is
+its current node.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmspec.types import TreeAcceptance
+
+
+def chain_parents(batch: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Parents [B, K] of a chain: [-1, 0, 1, ..., K-2]."""
+    return (torch.arange(length, device=device) - 1).unsqueeze(0).expand(batch, length)
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, N] -> visibility [B, N+1, N+1] bool over verify positions:
+    `vis[b, i, j]` is True when position j is position i or one of its ancestors."""
+    B, N = parents.shape
+    device = parents.device
+    pos_parent = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), parents.long() + 1], dim=1)
+    eye = torch.eye(N + 1, dtype=torch.bool, device=device).expand(B, N + 1, N + 1)
+    step = torch.zeros(B, N + 1, N + 1, dtype=torch.bool, device=device)
+    step.scatter_(2, pos_parent.unsqueeze(-1), True)
+    reach = (eye | step).to(torch.float32)
+    # Pointer doubling: after t squarings reach covers paths of length 2**t.
+    hops = 1
+    while hops < N + 1:
+        reach = (torch.bmm(reach, reach) > 0).to(torch.float32)
+        hops *= 2
+    return reach > 0
+
+
+def depths(visibility: torch.Tensor) -> torch.Tensor:
+    """visibility [B, N+1, N+1] -> depth [B, N+1] (root 0)."""
+    return visibility.sum(-1) - 1
+
+
+def verify_tree(
+    rule,
+    draft_tokens: torch.Tensor,  # [B, N]
+    parents: torch.Tensor,  # [B, N], -1 = root
+    target_probs: torch.Tensor,  # [B, N+1, V], position 0 = root
+    *,
+    generator: torch.Generator | None = None,
+) -> TreeAcceptance:
+    """Walk the tree with `rule`; returns the accepted path of verify positions."""
+    B, N = draft_tokens.shape
+    if tuple(parents.shape) != (B, N):
+        raise ValueError(f"parents must have the shape of draft_tokens {(B, N)}, got {tuple(parents.shape)}")
+    if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (B, N + 1):
+        raise ValueError(f"target_probs must have shape [B, N+1, V] = [{B}, {N + 1}, V], got {tuple(target_probs.shape)}")
+    dtype = torch.float64 if target_probs.dtype == torch.float64 else torch.float32
+    target_probs = target_probs.to(dtype)
+    device = draft_tokens.device
+    rows = torch.arange(B, device=device)
+    cur = torch.zeros(B, dtype=torch.long, device=device)  # current verify position per row
+    p = target_probs[:, 0].clone()
+    path = torch.zeros(B, N + 1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(B, dtype=torch.long, device=device)
+    distortion = None
+    tokens = draft_tokens.long()
+    parent_pos = parents.long() + 1
+    for i in range(N):
+        x = tokens[:, i]
+        is_child = parent_pos[:, i] == cur  # [B]
+        alpha = rule.accept_probability(x, p, None)
+        d = rule.distortion(x, p, None) if hasattr(rule, "distortion") else None
+        if d is not None:
+            contrib = torch.where(is_child, d, torch.zeros_like(d))
+            distortion = contrib if distortion is None else distortion + contrib
+        u = torch.rand(B, generator=generator, dtype=dtype, device=device)
+        take = is_child & (u < alpha)
+        reject = is_child & ~take
+        # Rejected sibling: continue at the same node with the rule's residual.
+        p = torch.where(reject.unsqueeze(-1), rule.residual(x, p, None), p)
+        # Accepted: move to the child; its own target distribution takes over.
+        p = torch.where(take.unsqueeze(-1), target_probs[:, i + 1], p)
+        cur = torch.where(take, torch.full_like(cur, i + 1), cur)
+        num_accepted = num_accepted + take.long()
+        path[rows, num_accepted] = torch.where(take, cur, path[rows, num_accepted])
+    next_tokens = rule.sample(p, generator)
+    # Pad the path after the last accepted position with that position.
+    width = torch.arange(N + 1, device=device).unsqueeze(0)
+    last = path[rows, num_accepted].unsqueeze(1)
+    path = torch.where(width <= num_accepted.unsqueeze(1), path, last)
+    return TreeAcceptance(path=path, num_accepted=num_accepted, next_tokens=next_tokens, distortion=distortion)
