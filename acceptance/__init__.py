@@ -7,12 +7,22 @@ pipelines can pick a rule by name. Every rule implements `mmspec.AcceptanceRule`
 from __future__ import annotations
 
 from .base import ChainRule, check_chain_inputs
+from .cluster_exact import ClusterExactAcceptance
+from .continuous import ContinuousAcceptance, ContinuousResult
 from .exact import ExactAcceptance
 from .greedy import GreedyAcceptance
+from .grouped import GroupedAcceptance
+from .lantern import LanternAcceptance
+from .typical import TypicalAcceptance
 
 RULES: dict[str, type] = {
     "greedy": GreedyAcceptance,
     "exact": ExactAcceptance,
+    "typical": TypicalAcceptance,
+    "lantern": LanternAcceptance,  # needs codebook=[V, D]
+    "gsd": GroupedAcceptance,  # needs embeddings=[V, D]
+    "cluster_exact": ClusterExactAcceptance,  # needs labels=[V]
+    "continuous": ContinuousAcceptance,  # continuous tokens: its own verify signature
 }
 
 
@@ -29,4 +39,17 @@ def get_rule(rule, **kwargs):
     return rule
 
 
-__all__ = ["RULES", "get_rule", "ChainRule", "check_chain_inputs", "ExactAcceptance", "GreedyAcceptance"]
+__all__ = [
+    "RULES",
+    "get_rule",
+    "ChainRule",
+    "check_chain_inputs",
+    "ClusterExactAcceptance",
+    "ContinuousAcceptance",
+    "ContinuousResult",
+    "ExactAcceptance",
+    "GreedyAcceptance",
+    "GroupedAcceptance",
+    "LanternAcceptance",
+    "TypicalAcceptance",
+]

@@ -1,0 +1,64 @@
+"""Typical acceptance (Medusa; Cai et al. 2024, arXiv 2401.10774, github.com/FasterDecoding/Medusa).
+
+Accept draft x when the target finds it "typical enough":
+
+    p(x) > min(epsilon, alpha * exp(-H(p)))                         (Medusa, section 2.3.1)
+
+with H(p) the entropy of the processed target distribution. Flat distributions (high
+entropy) lower the threshold, peaked ones raise it up to `epsilon`. The decision is
+deterministic given p; no uniform is drawn, which `ChainRule.verify` still does (alpha is 0
+or 1, so the draw cannot change the outcome).
+
+Residual: Medusa never resamples from a modified distribution; the token after the accepted
+prefix is drawn from the target distribution at that position. We do the same: `residual`
+returns p unchanged, which also makes the tree walk (`mmspec.tree.verify_tree`) judge every
+sibling against the same p, as Medusa's candidate paths are. The recovered / bonus token is
+sampled from p (Medusa's "first token" is the target's own token).
+
+Limits: lossy (the output is not distributed like p) and meant for deterministic drafters
+(Medusa heads, top-k trees); a draft distribution q, when given, is ignored. The distortion
+reported per candidate is the over-accepted mass of the unifying view in ALGORITHMS.md,
+`max(0, a(x) - p(x)) = accepted * (1 - p(x))` for a one-hot draft.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ChainRule
+
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    """p [M, V] -> H(p) [M] in nats, with 0 log 0 = 0."""
+    return -torch.special.xlogy(p, p).sum(-1)
+
+
+class TypicalAcceptance(ChainRule):
+    """Medusa's entropy-dependent threshold rule. Defaults are Medusa's
+    (`posterior_threshold=0.09`, `posterior_alpha=0.3`)."""
+
+    lossless = False
+    name = "typical"
+
+    def __init__(self, epsilon: float = 0.09, alpha: float = 0.3) -> None:
+        if not isinstance(epsilon, (int, float)) or not (0.0 <= float(epsilon) <= 1.0):
+            raise ValueError(f"epsilon must be a probability threshold in [0, 1], got {epsilon!r}")
+        if not isinstance(alpha, (int, float)) or float(alpha) < 0.0:
+            raise ValueError(f"alpha must be a number >= 0, got {alpha!r}")
+        self.epsilon = float(epsilon)
+        self.alpha = float(alpha)
+
+    def threshold(self, p: torch.Tensor) -> torch.Tensor:
+        """p [M, V] -> min(epsilon, alpha * exp(-H(p))) [M]."""
+        return torch.clamp(self.alpha * torch.exp(-entropy(p)), max=self.epsilon)
+
+    def accept_probability(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+        return (px > self.threshold(p)).to(p.dtype)
+
+    def residual(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        return p
+
+    def distortion(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+        return self.accept_probability(x, p, q) * (1.0 - px)

@@ -1,0 +1,65 @@
+"""ExactAcceptance: the output of a speculative step is distributed like p."""
+
+from __future__ import annotations
+
+import torch
+
+from _acceptance_helpers import P_MIN, chi_square_pvalue, dist, one_step, random_dist
+from mmspec.acceptance import ExactAcceptance
+
+N = 200_000
+
+
+def test_exact_output_follows_target_with_sampled_draft():
+    gen = torch.Generator().manual_seed(0)
+    p = dist([0.30, 0.25, 0.2, 0.15, 0.0999, 0.0001])
+    q = dist([0.05, 0.10, 0.40, 0.05, 0.25, 0.15])
+    x, res, first = one_step(ExactAcceptance(), p, q, N, gen)
+    assert chi_square_pvalue(first, p) > P_MIN
+    # The acceptance rate is sum_y min(p, q).
+    rate = (res.num_accepted == 1).double().mean().item()
+    assert abs(rate - torch.minimum(p, q).sum().item()) < 0.005
+
+
+def test_exact_output_follows_target_with_one_hot_draft():
+    gen = torch.Generator().manual_seed(1)
+    p = random_dist(6, gen)
+    _, res, first = one_step(ExactAcceptance(), p, None, N // 2, gen)
+    assert chi_square_pvalue(first, p) > P_MIN
+
+
+def test_exact_bonus_token_follows_the_last_target_distribution():
+    gen = torch.Generator().manual_seed(2)
+    p0, p1 = random_dist(6, gen), random_dist(6, gen)
+    _, res, _ = one_step(ExactAcceptance(), p0, p0, 50_000, gen, bonus=p1)
+    assert bool((res.num_accepted == 1).all())  # p == q: always accepted
+    assert chi_square_pvalue(res.next_tokens, p1) > P_MIN
+
+
+def test_exact_p_equals_q_always_accepts_and_zero_residual_is_finite():
+    gen = torch.Generator().manual_seed(3)
+    p = random_dist(6, gen, zeros=2)
+    rule = ExactAcceptance()
+    x, res, _ = one_step(rule, p, p, 10_000, gen)
+    assert bool((res.num_accepted == 1).all())
+    assert torch.allclose(res.accept_probs, torch.ones_like(res.accept_probs))
+    resid = rule.residual(x[:4], p.expand(4, 6), p.expand(4, 6))  # max(p - q, 0) == 0
+    assert bool(torch.isfinite(resid).all()) and torch.allclose(resid.sum(-1), torch.ones(4, dtype=p.dtype))
+
+
+def test_exact_never_emits_zero_probability_tokens():
+    gen = torch.Generator().manual_seed(4)
+    p = dist([0.5, 0.0, 0.5, 0.0, 0.0, 0.0])
+    q = dist([0.1, 0.3, 0.1, 0.2, 0.2, 0.1])
+    _, _, first = one_step(ExactAcceptance(), p, q, 20_000, gen)
+    assert set(first.unique().tolist()) <= {0, 2}
+    assert chi_square_pvalue(first, p) > P_MIN
+
+
+def test_exact_float32_inputs_stay_finite_and_exact():
+    gen = torch.Generator().manual_seed(5)
+    p = random_dist(6, gen).float()
+    q = random_dist(6, gen).float()
+    _, res, first = one_step(ExactAcceptance(), p, q, 50_000, gen)
+    assert res.accept_probs.dtype == torch.float32
+    assert chi_square_pvalue(first, p.double()) > P_MIN
