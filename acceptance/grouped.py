@@ -26,6 +26,10 @@ differs). The public code skips the distance test when the window holds a non-im
 id (> 10000, Lumina-mGPT specific); here the caller decides which embeddings to pass.
 `window=1` gives exact speculative sampling.
 
+For one-hot drafts sum_G p >= p(x), so GSD never accepts less often than exact sampling.
+With sampled drafts a cluster whose q outweighs its p can lower a candidate's ratio below
+p(x)/q(x); GSD then accepts more often only on average, on problems with look-alike tokens.
+
 Limits: lossy. The distortion reported per candidate is the over-accepted mass at x,
 `max(0, q(x) * alpha - p(x))`, which is the whole total-variation distance of the step for a
 one-hot draft; for sampled drafts the other tokens' over-acceptance is not included (it

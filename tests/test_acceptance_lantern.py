@@ -1,0 +1,192 @@
+"""LanternAcceptance (LANTERN / LANTERN++): neighbours, exact limits, monotonicity, bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec.acceptance.lantern as lantern_mod
+from _acceptance_helpers import P_MIN, chi_square_pvalue, one_step, random_dist
+from mmspec.acceptance import ExactAcceptance, LanternAcceptance
+
+V, D = 6, 3
+
+
+def codebook(V=V, D=D, seed=0):
+    return torch.randn(V, D, generator=torch.Generator().manual_seed(seed))
+
+
+def brute_neighbours(cb, normalize=True):
+    e = torch.nn.functional.normalize(cb.float(), dim=-1) if normalize else cb.float()
+    d = torch.cdist(e, e)
+    d.fill_diagonal_(float("inf"))
+    return d.argsort(-1)[:, : cb.shape[0] - 1]
+
+
+def test_neighbours_match_brute_force_and_exclude_self(monkeypatch):
+    cb = codebook(40, 5, seed=1)
+    rule = LanternAcceptance(cb, k=39, delta=0.1)
+    assert rule.neighbours.dtype == torch.int16 and tuple(rule.neighbours.shape) == (40, 39)
+    assert torch.equal(rule.neighbours.long(), brute_neighbours(cb))
+    assert not bool((rule.neighbours.long() == torch.arange(40).unsqueeze(1)).any())
+    raw = LanternAcceptance(cb, k=5, delta=0.1, normalize=False)
+    assert torch.equal(raw.neighbours.long(), brute_neighbours(cb, normalize=False)[:, :5])
+    # Row chunking (forced to 3 rows at a time on a fresh codebook) gives the same lists.
+    monkeypatch.setattr(lantern_mod, "_CHUNK_ELEMENTS", 3 * 40)
+    cb2 = cb.clone()
+    assert torch.equal(lantern_mod.nearest_neighbours(cb2, 39).long(), brute_neighbours(cb2))
+
+
+def test_neighbours_are_cached_per_codebook():
+    cb = codebook(30, 4, seed=2)
+    a = LanternAcceptance(cb, k=20, delta=0.1)
+    b = LanternAcceptance(cb, k=10, lam=5.0)
+    assert b.neighbours.data_ptr() == a.neighbours.data_ptr()  # a slice of the cached lists
+    cb.add_(1.0)  # in-place change bumps the version: recomputed
+    c = LanternAcceptance(cb, k=10, delta=0.1)
+    assert torch.equal(c.neighbours.long(), brute_neighbours(cb)[:, :10])
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(k=5, delta=0.0), dict(k=0, delta=0.5), dict(k=5, lam=1.0)], ids=["delta0", "k0", "lam1"]
+)
+def test_exact_limits_follow_target(kwargs):
+    gen = torch.Generator().manual_seed(10)
+    p = random_dist(V, gen, zeros=1)
+    q = random_dist(V, gen)
+    rule = LanternAcceptance(codebook(), **kwargs)
+    x, res, first = one_step(rule, p, q, 200_000, gen)
+    assert chi_square_pvalue(first, p) > P_MIN
+    exact_alpha = ExactAcceptance().accept_probability(x, p.expand(x.numel(), V), q.expand(x.numel(), V))
+    assert torch.allclose(res.accept_probs[:, 0], exact_alpha)
+    assert float(res.distortion.max()) == 0.0
+
+
+def test_one_hot_drafts_follow_the_relaxed_target():
+    """Deterministic draft x: the step's output is exactly p~ (x holds p(x) + c_J, its lent
+    neighbours 0), at total variation c_J from p."""
+    gen = torch.Generator().manual_seed(11)
+    p = random_dist(V, gen)
+    rule = LanternAcceptance(codebook(), k=3, delta=0.3)
+    x0 = torch.tensor([2])
+    c_J, J = rule.neighbour_mass(x0, p.unsqueeze(0))
+    assert int(J) >= 1
+    p_tilde = p.clone()
+    p_tilde[rule.neighbours[2, : int(J)].long()] = 0.0
+    p_tilde[2] = p[2] + c_J[0]
+    assert abs(float(p_tilde.sum()) - 1.0) < 1e-12
+    _, res, first = one_step(rule, p, None, 100_000, gen, x=x0.expand(100_000))
+    assert chi_square_pvalue(first, p_tilde) > P_MIN
+    assert torch.allclose(res.distortion, c_J.expand(100_000))
+    assert abs(0.5 * (p_tilde - p).abs().sum().item() - c_J.item()) < 1e-12
+
+
+def test_acceptance_non_decreasing_in_delta_and_k():
+    gen = torch.Generator().manual_seed(12)
+    Vb, M = 64, 512
+    cb = codebook(Vb, 4, seed=3)
+    p = torch.softmax(torch.randn(M, Vb, generator=gen, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(M, Vb, generator=gen, dtype=torch.float64), -1)
+    x = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+    for qq in (q, None):
+        prev = None
+        for delta in (0.0, 0.01, 0.05, 0.1, 0.3, 1.0):
+            a = LanternAcceptance(cb, k=20, delta=delta).accept_probability(x, p, qq)
+            assert prev is None or bool((a >= prev - 1e-12).all())
+            prev = a
+        prev = None
+        for k in (0, 1, 5, 20, 63):
+            a = LanternAcceptance(cb, k=k, delta=0.1).accept_probability(x, p, qq)
+            assert prev is None or bool((a >= prev - 1e-12).all())
+            prev = a
+        prev = None
+        for lam in (1.0, 2.0, 5.0, 20.0):
+            a = LanternAcceptance(cb, k=20, lam=lam).accept_probability(x, p, qq)
+            assert prev is None or bool((a >= prev - 1e-12).all())
+            prev = a
+
+
+def test_added_mass_never_exceeds_the_bound():
+    gen = torch.Generator().manual_seed(13)
+    Vb, M = 64, 1024
+    cb = codebook(Vb, 4, seed=4)
+    p = torch.softmax(2 * torch.randn(M, Vb, generator=gen), -1)  # float32
+    x = torch.randint(0, Vb, (M,), generator=gen)
+    px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+    for delta in (0.0, 0.05, 0.1, 0.5):
+        rule = LanternAcceptance(cb, k=30, delta=delta)
+        c_J, J = rule.neighbour_mass(x, p)
+        assert bool((c_J <= delta).all()) and bool((c_J >= 0).all())
+        # J is maximal: one more neighbour would exceed the bound.
+        nxt = p.gather(-1, rule.neighbours[x].long()).cumsum(-1)
+        more = torch.where(J < 30, nxt.gather(-1, J.clamp(max=29).unsqueeze(-1)).squeeze(-1), torch.full_like(c_J, 9.0))
+        assert bool((more > delta).all())
+    for lam in (1.0, 2.0, 5.0, 10.0):
+        rule = LanternAcceptance(cb, k=30, lam=lam)
+        assert bool((rule.relaxed_probability(x, p) <= lam * px * (1 + 1e-6)).all())
+        assert bool((rule.distortion(x, p, None) <= (lam - 1) * px * (1 + 1e-6)).all())
+
+
+def test_sampled_draft_residual_zeroes_lent_neighbours_in_q():
+    p = torch.tensor([[0.3, 0.3, 0.2, 0.2]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.6, 0.2, 0.1]], dtype=torch.float64)
+    cb = torch.tensor([[0.0, 1.0], [0.1, 1.0], [1.0, 0.0], [1.0, 0.1]])  # 0<->1, 2<->3 are neighbours
+    rule = LanternAcceptance(cb, k=1, delta=0.35)
+    x = torch.tensor([0])
+    assert torch.equal(rule.neighbours[0].long(), torch.tensor([1]))
+    assert torch.allclose(rule.accept_probability(x, p, q), torch.ones(1, dtype=torch.float64))  # (0.3+0.3)/0.1
+    resid = rule.residual(x, p, q)
+    q_relaxed = torch.tensor([0.25, 0.0, 0.5, 0.25], dtype=torch.float64)
+    expected = (p[0] - q_relaxed).clamp_min(0)
+    assert torch.allclose(resid[0], expected / expected.sum())
+    # "k" mode (public code) zeroes the same neighbour here; one-hot residual zeroes x and it.
+    resid_det = rule.residual(x, p, None)
+    assert torch.allclose(resid_det[0], torch.tensor([0.0, 0.0, 0.5, 0.5], dtype=torch.float64))
+    assert torch.allclose(LanternAcceptance(cb, k=1, delta=0.35, zero_neighbours="k").residual(x, p, None), resid_det)
+
+
+def test_residual_with_nothing_left_is_uniform():
+    cb = codebook(3, 2)
+    rule = LanternAcceptance(cb, k=2, delta=1.0)
+    p = torch.tensor([[0.5, 0.25, 0.25]])
+    resid = rule.residual(torch.tensor([0]), p, None)  # x and both neighbours zeroed
+    assert torch.allclose(resid, torch.full((1, 3), 1 / 3))
+
+
+def test_measured_acceptance_rates_increase_with_relaxation():
+    """Sample problem: flat p over 256 codes with 8-D clustered latents, sampled drafts."""
+    gen = torch.Generator().manual_seed(14)
+    Vb, M = 256, 4000
+    centers = torch.randn(32, 8, generator=gen)
+    cb = centers.repeat_interleave(8, 0) + 0.1 * torch.randn(Vb, 8, generator=gen)
+    p = torch.softmax(0.5 * torch.randn(M, Vb, generator=gen), -1)
+    q = torch.softmax(0.5 * torch.randn(M, Vb, generator=gen), -1)
+    x = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+    exact = ExactAcceptance().accept_probability(x, p, q).mean().item()
+    lan = LanternAcceptance(cb, k=50, delta=0.1).accept_probability(x, p, q).mean().item()
+    lpp = LanternAcceptance(cb, k=10, lam=5.0).accept_probability(x, p, q).mean().item()
+    assert exact < lan and exact < lpp
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        (dict(k=3, delta=-0.1), "delta"),
+        (dict(k=6, delta=0.1), "k"),
+        (dict(k=-1, delta=0.1), "k"),
+        (dict(k=3, lam=0.5), "lam"),
+        (dict(k=3, delta=0.1, lam=2.0), "delta"),
+        (dict(k=3, zero_neighbours="all"), "zero_neighbours"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        LanternAcceptance(codebook(), **kwargs)
+
+
+def test_codebook_must_be_2d():
+    with pytest.raises(ValueError, match="codebook"):
+        LanternAcceptance(torch.randn(6), k=1)
+    rule = LanternAcceptance(codebook(), k=2)
+    with pytest.raises(ValueError, match="codebook"):
+        rule.accept_probability(torch.tensor([0]), torch.full((1, 7), 1 / 7), None)
