@@ -6,8 +6,8 @@ Accept draft x when the target finds it "typical enough":
 
 with H(p) the entropy of the processed target distribution. Flat distributions (high
 entropy) lower the threshold, peaked ones raise it up to `epsilon`. The decision is
-deterministic given p; no uniform is drawn, which `ChainRule.verify` still does (alpha is 0
-or 1, so the draw cannot change the outcome).
+deterministic given p (alpha is 0 or 1), so the uniform `ChainRule.verify` draws per
+position cannot change it.
 
 Residual: Medusa never resamples from a modified distribution; the token after the accepted
 prefix is drawn from the target distribution at that position. We do the same: `residual`
