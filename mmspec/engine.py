@@ -131,6 +131,11 @@ def speculative_generate(
             "share the target's tokenizer and vocabulary size"
         )
     rule = get_rule(acceptance)
+    if not all(hasattr(rule, m) for m in ("accept_probability", "residual", "sample")):
+        raise TypeError(
+            f"acceptance rule {type(rule).__name__} does not verify discrete tokens (it lacks accept_probability / "
+            "residual / sample); continuous-token rules run through the MAR pipeline"
+        )
     if sampling.greedy and getattr(rule, "name", None) == "exact":
         rule = GreedyAcceptance()  # exact verification of one-hot p is greedy verification
 

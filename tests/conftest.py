@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random Llama models built in float64 (exactness is asserted in
+float64), and prompt batches with different lengths, left-padded like transformers does."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
+
+import pytest
+import torch
+
+VOCAB = 40
+
+
+def tiny_llama(layers: int = 2, seed: int = 0, vocab: int = VOCAB, hidden: int = 32, dtype=torch.float64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        attn_implementation="sdpa", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def noisy_copy(model, scale: float, seed: int = 123):
+    """A drafter that agrees with `model` part of the time: its weights plus Gaussian noise."""
+    import copy
+
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp_min(1e-3))
+    return other
+
+
+def left_padded(lengths: list[int], vocab: int = VOCAB, seed: int = 5, pad: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.full((len(lengths), L), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, L - n :] = torch.randint(3, vocab, (n,), generator=g)
+        mask[b, L - n :] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_llama(layers=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def weak_drafter():
+    return tiny_llama(layers=1, seed=1)
+
+
+@pytest.fixture(scope="session")
+def good_drafter(target):
+    return noisy_copy(target, 0.3)

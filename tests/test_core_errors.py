@@ -1,0 +1,109 @@
+"""Bad input gets a ValueError / TypeError whose message names the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.drafters import ModelDrafter
+
+from conftest import left_padded, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_llama(layers=1, seed=0), tiny_llama(layers=1, seed=1)
+
+
+def run(pair, **kw):
+    target, drafter = pair
+    ids, mask = left_padded([4, 3])
+    args = dict(input_ids=ids, attention_mask=mask, temperature=0, max_new_tokens=4)
+    args.update(kw)
+    d = args.pop("drafter", None) or ModelDrafter(drafter, 2)
+    return mmspec.speculative_generate(args.pop("target", target), d, **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        (dict(max_new_tokens=-1), "max_new_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_k=0, temperature=1.0), "top_k"),
+        (dict(top_p=1.5, temperature=1.0), "top_p"),
+        (dict(input_ids=torch.ones(3, dtype=torch.long), attention_mask=None), "input_ids"),
+        (dict(input_ids=torch.ones(2, 3)), "input_ids"),
+        (dict(attention_mask=torch.ones(2, 9, dtype=torch.long)), "attention_mask"),
+        (dict(attention_mask=torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])), "left-padded"),
+        (dict(acceptance="nope"), "acceptance"),
+        (dict(eos_token_id=-3), "eos_token_id"),
+        (dict(pad_token_id=-1), "pad_token_id"),
+    ],
+)
+def test_bad_arguments_raise_value_error(pair, kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        run(pair, **kwargs)
+
+
+def test_mismatched_vocabularies(pair):
+    other = tiny_llama(layers=1, seed=2, vocab=41)
+    with pytest.raises(ValueError, match="vocabulary"):
+        run(pair, drafter=ModelDrafter(other, 2))
+
+
+def test_wrong_object_types(pair):
+    with pytest.raises(TypeError, match="drafter"):
+        run(pair, drafter=object())
+    with pytest.raises(TypeError, match="target"):
+        run(pair, target=object())
+    with pytest.raises(TypeError, match="acceptance"):
+        run(pair, acceptance=3.5)
+    with pytest.raises(TypeError, match="tree"):
+        ModelDrafter(pair[1], 2, tree=(3, 3, 8))
+
+
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [(dict(depth=0), "depth"), (dict(top_k=0), "top_k"), (dict(num_nodes=0), "num_nodes"),
+     (dict(depth=2, top_k=2, num_nodes=50), "num_nodes")],
+)
+def test_tree_config_validation(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        mmspec.TreeConfig(**kwargs)
+
+
+def test_num_draft_tokens_validation(pair):
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        ModelDrafter(pair[1], -1)
+
+
+def test_rule_shape_errors_name_the_argument():
+    from mmspec.acceptance import ExactAcceptance
+
+    rule = ExactAcceptance()
+    p = torch.full((2, 4, 5), 0.2)
+    with pytest.raises(ValueError, match="target_probs"):
+        rule.verify(torch.zeros(2, 4, dtype=torch.long), None, p)
+    with pytest.raises(ValueError, match="draft_probs"):
+        rule.verify(torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3, 4), 0.25), p)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        rule.verify(torch.full((2, 3), 7, dtype=torch.long), None, p)
+
+
+def test_degenerate_residual_never_nan():
+    from mmspec.acceptance import ExactAcceptance
+
+    rule = ExactAcceptance()
+    p = torch.softmax(torch.randn(64, 4, 6, generator=torch.Generator().manual_seed(0)), -1)
+    q = p[:, :3].clone()
+    x = torch.multinomial(q.reshape(-1, 6), 1).view(64, 3)
+    res = rule.verify(x, q, p, generator=torch.Generator().manual_seed(1))
+    assert (res.num_accepted == 3).all()  # p == q: always accepted
+    resid = rule.residual(x[:, 0], p[:, 0], q[:, 0])
+    assert torch.isfinite(resid).all() and torch.allclose(resid.sum(-1), torch.ones(64))
+
+
+def test_continuous_rule_is_refused_for_discrete_tokens(pair):
+    with pytest.raises(TypeError, match="discrete"):
+        run(pair, acceptance="continuous")
