@@ -50,6 +50,19 @@ def _median_time(fn, repeats: int):
     return statistics.median(times), result
 
 
+def _interleaved(methods: dict, repeats: int):
+    """Time each method `repeats` times in rounds (A, B, C, A, B, C, ...) after a warm-up
+    round, so slow drifts of the machine hit every method alike; returns medians."""
+    outs = {name: fn() for name, fn in methods.items()}  # warm-up
+    samples = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}, outs
+
+
 def _prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lengths[0], lengths[1] + 1, (batch,), generator=g).tolist()
@@ -100,23 +113,25 @@ def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
     for B, K in zip(config.batch_sizes, config.num_draft_tokens):
         ids, mask = _prompts(B, config.prompt_lengths, config.pair.vocab_size, seed=B)
         gen_args = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
-        progress(f"batch {B}: plain generate ...")
-        t_plain, ref = _median_time(lambda: target.generate(**gen_args), config.repeats)
-        results = {"plain generate": (t_plain, None, True)}
+        methods = {"plain generate": lambda: target.generate(**gen_args)}
         if B == 1:  # transformers' assisted generation refuses batch > 1
             drafter.generation_config.num_assistant_tokens = K
             drafter.generation_config.num_assistant_tokens_schedule = "constant"
             drafter.generation_config.assistant_confidence_threshold = 0.0
-            progress(f"batch {B}: transformers assisted generation (K={K}) ...")
-            t_hf, out_hf = _median_time(lambda: target.generate(**gen_args, assistant_model=drafter), config.repeats)
-            results["transformers assisted"] = (t_hf, None, torch.equal(out_hf, ref))
-        progress(f"batch {B}: mmspec (K={K}) ...")
-        t_mm, out_mm = _median_time(
-            lambda: mmspec.speculative_generate(target, ModelDrafter(drafter, K), ids, mask, temperature=0,
-                                                max_new_tokens=N, pad_token_id=0),
-            config.repeats,
-        )
-        results["mmspec"] = (t_mm, out_mm.stats, torch.equal(out_mm.sequences, ref))
+            methods["transformers assisted"] = lambda: target.generate(**gen_args, assistant_model=drafter)
+        methods["mmspec"] = lambda: mmspec.speculative_generate(
+            target, ModelDrafter(drafter, K), ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
+        progress(f"batch {B}: {', '.join(methods)} (K={K}), interleaved, {config.repeats} timed rounds ...")
+        times, outs = _interleaved(methods, config.repeats)
+        t_plain, ref = times["plain generate"], outs["plain generate"]
+        results = {}
+        for name in methods:
+            out = outs[name]
+            if name == "mmspec":
+                results[name] = (times[name], out.stats, torch.equal(out.sequences, ref))
+            else:
+                results[name] = (times[name], None, torch.equal(out, ref))
+        t_mm, out_mm = times["mmspec"], outs["mmspec"]
         # Ideal: the same number of target and drafter calls with no engine overhead at all.
         ctx = ids.shape[1] + N // 2
         st = out_mm.stats
