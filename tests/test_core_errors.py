@@ -107,3 +107,16 @@ def test_degenerate_residual_never_nan():
 def test_continuous_rule_is_refused_for_discrete_tokens(pair):
     with pytest.raises(TypeError, match="discrete"):
         run(pair, acceptance="continuous")
+
+
+def test_mrope_models_are_refused_by_the_generic_adapter():
+    from mmspec.models import HFTarget
+
+    class MRopeLike(torch.nn.Module):
+        config = type("Cfg", (), {"vocab_size": 10})()
+
+        def forward(self, input_ids=None, image_grid_thw=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(ValueError, match="M-RoPE"):
+        HFTarget(MRopeLike())

@@ -34,6 +34,15 @@ class HFTarget:
     """Wraps a `transformers.PreTrainedModel` with an LM head."""
 
     def __init__(self, model, *, return_hidden: bool = False):
+        import inspect
+
+        if "image_grid_thw" in inspect.signature(model.forward).parameters:
+            # Qwen2-VL-style models compute 3-D M-RoPE positions from the image grid; the 1-D
+            # positions used here would be silently wrong, so refuse instead.
+            raise ValueError(
+                f"target {type(model).__name__} uses M-RoPE positions (image_grid_thw); it needs the Qwen2-VL adapter "
+                "of the VLM pipeline, not the generic HFTarget"
+            )
         self.model = model
         self.vocab_size = text_vocab_size(model)
         self.runner = HFRunner(model, return_hidden=return_hidden)
