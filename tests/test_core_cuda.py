@@ -1,0 +1,26 @@
+"""The same greedy-losslessness check on CUDA (skipped on machines without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.drafters import ModelDrafter
+
+from conftest import left_padded, noisy_copy, tiny_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("tree", [None, mmspec.TreeConfig(depth=3, top_k=3, num_nodes=8)], ids=["chain", "tree"])
+def test_greedy_equals_generate_on_cuda(tree):
+    target = tiny_llama(layers=2, seed=0).cuda()
+    drafter = noisy_copy(target, 0.3).cuda()
+    ids, mask = left_padded([9, 5, 7, 3])
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    out = mmspec.speculative_generate(target, ModelDrafter(drafter, 4, tree=tree), ids, mask, temperature=0,
+                                      max_new_tokens=20, pad_token_id=0)
+    assert out.sequences.device.type == "cuda"
+    assert torch.equal(out.sequences, ref)
