@@ -24,6 +24,19 @@ def candidate_probs(x: torch.Tensor, dist: torch.Tensor | None, like: torch.Tens
     return dist.gather(-1, x.unsqueeze(-1)).squeeze(-1)
 
 
+def capped_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """min(1, num / den); a zero denominator (a draft q could not have produced) accepts
+    whenever the numerator is positive."""
+    ratio = torch.where(den > 0, num / den.clamp_min(torch.finfo(num.dtype).tiny), (num > 0).to(num.dtype))
+    return ratio.clamp(max=1.0)
+
+
+def exact_residual(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+    """norm(max(p - q, 0)); for a one-hot draft, p without x. Falls back to p when empty."""
+    weights = p.scatter(-1, x.unsqueeze(-1), 0.0) if q is None else (p - q).clamp_min(0.0)
+    return normalize(weights, p)
+
+
 class ExactAcceptance(ChainRule):
     """Lossless speculative sampling."""
 
@@ -32,14 +45,7 @@ class ExactAcceptance(ChainRule):
 
     def accept_probability(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
-        qx = candidate_probs(x, q, p)
-        # q(x) == 0 cannot happen for a token drawn from q; treat it as "any p(x) > 0 accepts".
-        ratio = torch.where(qx > 0, px / qx.clamp_min(torch.finfo(p.dtype).tiny), (px > 0).to(p.dtype))
-        return ratio.clamp(max=1.0)
+        return capped_ratio(px, candidate_probs(x, q, p))
 
     def residual(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
-        if q is None:
-            weights = p.scatter(-1, x.unsqueeze(-1), 0.0)
-        else:
-            weights = (p - q).clamp_min(0.0)
-        return normalize(weights, p)
+        return exact_residual(x, p, q)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from .base import ChainRule
-from mmspec.sampling import normalize
+from .exact import capped_ratio, exact_residual
 
 
 class GroupedAcceptance(ChainRule):
@@ -108,17 +108,10 @@ class GroupedAcceptance(ChainRule):
             group_q = torch.ones_like(group_p)  # one-hot draft: only x carries q mass
         else:
             group_q = (q.gather(-1, tokens) * w).sum(-1)
-        ratio = torch.where(
-            group_q > 0, group_p / group_q.clamp_min(torch.finfo(p.dtype).tiny), (group_p > 0).to(p.dtype)
-        )
-        return ratio.clamp(max=1.0)
+        return capped_ratio(group_p, group_q)
 
     def residual(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
-        if q is None:
-            weights = p.scatter(-1, x.unsqueeze(-1), 0.0)
-        else:
-            weights = (p - q).clamp_min(0.0)
-        return normalize(weights, p)
+        return exact_residual(x, p, q)
 
     def distortion(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         alpha = self.accept_probability(x, p, q)
