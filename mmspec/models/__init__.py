@@ -9,7 +9,7 @@ _LAZY = {
     "HFTarget": "mmspec.models.hf_target",
     "HFRunner": "mmspec.models.hf_cache",
     "RaggedCache": "mmspec.models.hf_cache",
-    "LlamaGenVQ": "mmspec.models.llamagen_vq",
+    "LlamaGenVQ": "mmspec.models.llamagen_tokenizer", "VQConfig": "mmspec.models.llamagen_tokenizer",
 }
 
 
