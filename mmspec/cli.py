@@ -2,7 +2,8 @@
 
     mmspec demo                      side-by-side speed table on a locally built model pair
     mmspec bench [options]           the core benchmark (plain / assisted / mmspec), JSON out
-    mmspec testbed ...               the procedural world, VQ tokenizer and judge
+    mmspec testbed ...               the procedural world, VQ tokenizer and judge (see
+                                     mmspec/testbed/commands.py)
 
 argparse options map one to one onto the fields of the config dataclasses they build
 (`mmspec.bench.core.BenchConfig`, `mmspec.bench.pair.PairConfig`). Heavy imports happen
@@ -78,12 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="core benchmark: plain generate, assisted generation, mmspec")
     _add_bench_options(p, demo=False)
     p.set_defaults(func=cmd_bench)
-    try:
-        from mmspec.testbed.cli import add_subparsers as add_testbed
-    except ImportError:  # the testbed module is optional while it is being built
-        add_testbed = None
-    if add_testbed is not None:
-        add_testbed(sub)
+    from mmspec.testbed.commands import add_subparsers as add_testbed
+
+    add_testbed(sub)
     return parser
 
 

@@ -1,0 +1,144 @@
+"""The testbed world: deterministic scenes whose captions and answers agree with what was drawn."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from mmspec.testbed.language import COLOUR_WORDS, SHAPE_WORDS, build_tokenizer
+from mmspec.testbed.world import COLOURS, SHAPES, World, WorldConfig
+
+N = 120
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    return World(seed=0, split="validation").sample(N)
+
+
+def words(text: str) -> set[str]:
+    return set(text.split())
+
+
+def mentions(text: str, phrases) -> bool:
+    return any(re.search(rf"\b{re.escape(p)}\b", text) for p in phrases)
+
+
+def test_same_seed_same_scene_different_seed_different_scene():
+    a, b = World(seed=3).sample(4), World(seed=3).sample(4)
+    for x, y in zip(a, b):
+        assert np.array_equal(np.asarray(x.image), np.asarray(y.image))
+        assert x.captions == y.captions and x.qa == y.qa and x.class_label == y.class_label
+    c = World(seed=4).sample(4)
+    assert any(not np.array_equal(np.asarray(x.image), np.asarray(y.image)) for x, y in zip(a, c))
+    # Scene i does not depend on how many scenes were asked for.
+    assert np.array_equal(np.asarray(World(seed=3).scene(2).image), np.asarray(a[2].image))
+
+
+def test_splits_are_disjoint_streams():
+    train = World(seed=0, split="train").sample(3)
+    val = World(seed=0, split="validation").sample(3)
+    assert all(not np.array_equal(np.asarray(t.image), np.asarray(v.image)) for t, v in zip(train, val))
+
+
+def test_class_label_is_shape_times_colour_of_the_largest_object(scenes):
+    labels = set()
+    for s in scenes:
+        objs = s.attributes["objects"]
+        main = objs[s.attributes["main"]]
+        assert main["r"] == max(o["r"] for o in objs)
+        assert s.class_label == SHAPES.index(main["shape"]) * len(COLOURS) + list(COLOURS).index(main["colour"])
+        labels.add(s.class_label)
+    assert len(labels) >= 24  # most of the 32 classes appear in 120 scenes
+
+
+def test_captions_name_every_object_and_no_absent_colour(scenes):
+    for s in scenes:
+        objs = s.attributes["objects"]
+        present = {o["colour"] for o in objs}
+        for cap in s.captions:
+            for o in objs:
+                assert mentions(cap, COLOUR_WORDS[o["colour"]]), (cap, o)
+                assert mentions(cap, SHAPE_WORDS[o["shape"]]), (cap, o)
+            for colour, syn in COLOUR_WORDS.items():
+                if colour not in present:
+                    assert not mentions(cap, syn), (cap, colour)
+
+
+def test_caption_variety(scenes):
+    distinct = [len(set(s.captions)) for s in scenes]
+    assert np.mean(distinct) >= 3.0
+    # Free order: for two-object scenes, both orders of mention occur somewhere.
+    first_mentions = set()
+    for s in scenes:
+        if len(s.attributes["objects"]) == 2:
+            for cap in s.captions:
+                pos = [min((m.start() for w in COLOUR_WORDS[o["colour"]] for m in re.finditer(rf"\b{w}\b", cap)),
+                           default=10**6) for o in s.attributes["objects"]]
+                first_mentions.add(int(np.argmin(pos)))
+    assert first_mentions == {0, 1}
+
+
+def _synonym_owner(text: str, table: dict) -> list[str]:
+    return [k for k, syn in table.items() if mentions(text, syn)]
+
+
+def test_answers_agree_with_the_scene(scenes):
+    checked = {"count": 0, "exists": 0, "colour": 0, "shape": 0, "position": 0}
+    for s in scenes:
+        objs = s.attributes["objects"]
+        for q, answers in s.qa:
+            assert answers and len(set(answers)) == len(answers)
+            if q.startswith(("how many", "count")):
+                assert answers[0] == str(len(objs))
+                checked["count"] += 1
+            elif q.startswith(("is there", "does the image", "can you see")):
+                colours, shapes = _synonym_owner(q, COLOUR_WORDS), _synonym_owner(q, SHAPE_WORDS)
+                truth = any(o["colour"] in colours and o["shape"] in shapes for o in objs)
+                assert (answers[0] == "yes") == truth, (q, answers)
+                checked["exists"] += 1
+            elif "colour" in q or "color" in q:
+                (shape,) = _synonym_owner(q, SHAPE_WORDS)
+                (obj,) = [o for o in objs if o["shape"] == shape]
+                assert answers[0] in COLOUR_WORDS[obj["colour"]]
+                checked["colour"] += 1
+            elif q.startswith(("what shape", "which shape", "what is the")):
+                (colour,) = _synonym_owner(q, COLOUR_WORDS)
+                (obj,) = [o for o in objs if o["colour"] == colour]
+                assert answers[0] in SHAPE_WORDS[obj["shape"]]
+                checked["shape"] += 1
+            elif " left " in f" {q} " or " above " in f" {q} ":
+                m = re.match(r"is the (\w+) (\w+) .* the (\w+) (\w+) \?", q)
+                a = next(o for o in objs if (o["colour"], o["shape"]) == (m[1], m[2]))
+                b = next(o for o in objs if (o["colour"], o["shape"]) == (m[3], m[4]))
+                if "left or" in q:
+                    assert answers[0] == ("left" if a["x"] < b["x"] else "right")
+                elif "above or" in q or "higher or" in q:
+                    assert answers[0] == ("above" if a["y"] < b["y"] else "below")
+                else:
+                    assert answers[0] == ("yes" if a["x"] < b["x"] else "no")
+                checked["position"] += 1
+    assert all(v > 0 for v in checked.values()), checked
+
+
+def test_tokenizer_covers_every_caption_and_answer(scenes):
+    tok = build_tokenizer()
+    unk = tok.unk_token_id
+    for s in scenes[:40]:
+        for text in s.captions + [q for q, _ in s.qa] + [a for _, ans in s.qa for a in ans]:
+            ids = tok(text, add_special_tokens=False).input_ids
+            assert unk not in ids, text
+            assert tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids("<image>") != unk
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [(dict(min_objects=0), "min_objects"), (dict(colours=("red", "mauve")), "colours"),
+     (dict(image_size=66), "image_size"), (dict(shapes=("hexagon",)), "shapes"), (dict(max_objects=5), "max_objects")],
+)
+def test_impossible_settings_raise(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        WorldConfig(**kwargs)
