@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
+import struct
 from pathlib import Path
 
 import torch
@@ -395,7 +397,7 @@ def _official_state_dict(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (RuntimeError, OSError, EOFError) as err:  # pickle / zip errors surface as these
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, struct.error) as err:
         raise ValueError(f"{path}: not a torch checkpoint ({err})") from err
     if isinstance(obj, dict):
         for key in ("model", "ema", "state_dict"):
