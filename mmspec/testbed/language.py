@@ -238,7 +238,9 @@ def _q_exists(objects, config, rng):
         colour, shape = sorted(present)[int(rng.integers(len(present)))]
     else:
         absent = [(c, s) for c in config.colours for s in config.shapes if (c, s) not in present]
-        colour, shape = absent[int(rng.integers(len(absent)))]
+        # tiny configs can have every colour x shape present: then ask about a present one
+        pool = absent or sorted(present)
+        colour, shape = pool[int(rng.integers(len(pool)))]
     question = _choice(rng, Q_EXISTS).format(colour=_choice(rng, COLOUR_WORDS[colour]),
                                              shape=_choice(rng, SHAPE_WORDS[shape]))
     question = re.sub(r"\ba ([aeiou])", r"an \1", question)
