@@ -6,6 +6,7 @@
     mmspec testbed eval-judge --model assets/testbed/judge   accuracy / Frechet on held-out scenes
     mmspec testbed train-vq / eval-vq                        the LlamaGen-architecture VQ
     mmspec testbed contact-sheet --out sheet.png             scenes next to their VQ reconstructions
+    mmspec testbed caption-stats                             how multimodal the captions are
 
 Options map one to one onto the fields of the config dataclasses they build.
 """
@@ -75,6 +76,33 @@ def cmd_eval_judge(args) -> int:
     return 0
 
 
+def cmd_caption_stats(args) -> int:
+    """How multimodal the caption distribution is: distinct captions and empirical entropy
+    (bits) of `--captions` samples per scene, averaged over `--n` validation scenes."""
+    import dataclasses
+    import math
+    from collections import Counter
+
+    from mmspec.testbed.world import World, WorldConfig
+
+    config = dataclasses.replace(WorldConfig(), captions_per_scene=args.captions)
+    scenes = World(seed=0, split="validation", config=config).sample(args.n)
+    distinct, entropy = [], []
+    for s in scenes:
+        counts = Counter(s.captions)
+        distinct.append(len(counts))
+        entropy.append(-sum(c / args.captions * math.log2(c / args.captions) for c in counts.values()))
+    default = World(seed=0, split="validation").sample(args.n)
+    result = {
+        "scenes": args.n,
+        "distinct_of_default_5": sum(len(set(s.captions)) for s in default) / args.n,
+        f"distinct_of_{args.captions}": sum(distinct) / args.n,
+        f"entropy_bits_of_{args.captions}": sum(entropy) / args.n,
+    }
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def cmd_contact_sheet(args) -> int:
     import torch
     from PIL import Image, ImageDraw
@@ -135,6 +163,10 @@ def add_subparsers(subparsers) -> None:
     p.add_argument("--model", default="assets/testbed/judge")
     p.add_argument("--n", type=int, default=1000)
     p.set_defaults(func=cmd_eval_judge)
+    p = sub.add_parser("caption-stats", help="distinct captions and caption entropy per scene")
+    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--captions", type=int, default=32)
+    p.set_defaults(func=cmd_caption_stats)
     p = sub.add_parser("contact-sheet", help="PNG of validation scenes above their VQ reconstructions")
     p.add_argument("--out", default="assets/testbed/contact_sheet.png")
     p.add_argument("--vq", default="assets/testbed/vq")
