@@ -10,6 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 import pytest
 import torch
 
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP
+# spin-waiting makes multi-threaded tiny ops many times slower.
+torch.set_num_threads(1)
+
 VOCAB = 40
 
 
