@@ -13,6 +13,9 @@ import torch
 from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig, infer_config
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vq"
+# Measured: 32.3 dB mean on validation scenes 0-7 (31.8 dB on 256 scenes, metrics.json);
+# 3 dB margin for other CPUs / torch versions.
+MIN_ASSET_PSNR = 29.0
 # Key names read from FoundationVision/LlamaGen tokenizer/tokenizer_image/vq_model.py
 # (last changed in 0b3a62b; checked at ce98ec4): VQModel / Encoder / Decoder / VectorQuantizer.
 OFFICIAL_KEYS = [
@@ -68,8 +71,7 @@ def test_official_checkpoint_layout_loads_exactly(tmp_path):
 def test_default_config_is_official_vq16():
     cfg = VQConfig()
     assert (cfg.codebook_size, cfg.codebook_embed_dim, cfg.ch_mult, cfg.downsample) == (16384, 8, (1, 1, 2, 2, 4), 16)
-    model = torch.device("meta")
-    with model:
+    with torch.device("meta"):  # shapes only, no memory
         vq = LlamaGenVQ(cfg)
     state = vq.state_dict()
     assert len(state) == 344  # count of the official VQ-16 state dict
@@ -149,4 +151,26 @@ def test_bundled_testbed_asset_reconstructs_validation_scenes():
     assert (ASSET / "model.safetensors").stat().st_size < 5 * 2**20
 
 
-MIN_ASSET_PSNR = 22.0  # set from the measured value in assets/testbed/vq/metrics.json minus a margin
+
+def test_dead_code_restart_moves_only_unused_codes():
+    from mmspec.testbed.vq_train import restart_dead_codes
+
+    model = tiny_model()
+    before = model.quantize.embedding.weight.detach().clone()
+    counts = torch.tensor([0, 3] * 8)
+    latents = torch.nn.functional.normalize(torch.randn(32, 4), dim=-1)
+    n = restart_dead_codes(model, counts, latents, torch.Generator().manual_seed(0))
+    after = model.quantize.embedding.weight.detach()
+    assert n == 8
+    assert torch.equal(after[1::2], before[1::2])
+    moved = after[0::2]
+    assert torch.cdist(moved, latents).min(1).values.max() < 0.1  # each sits next to a recent latent
+
+
+def test_train_config_validation():
+    from mmspec.testbed.vq_train import VQTrainConfig
+
+    with pytest.raises(ValueError, match="crop"):
+        VQTrainConfig(crop=30)
+    with pytest.raises(ValueError, match="image_size"):
+        VQTrainConfig(image_size=66, crop=32)
