@@ -137,7 +137,6 @@ def test_bad_config_names_the_field(kw, field):
         tiny_config(**kw)
 
 
-@pytest.mark.skipif(not (ASSET / "model.safetensors").is_file(), reason="testbed VQ asset not trained yet")
 def test_bundled_testbed_asset_reconstructs_validation_scenes():
     from mmspec.testbed.vq_train import psnr, render, to_pixels
 
