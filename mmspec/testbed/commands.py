@@ -109,6 +109,7 @@ def cmd_contact_sheet(args) -> int:
 
     from mmspec.models import LlamaGenVQ
     from mmspec.testbed.judge_model import to_pixels
+    from mmspec.testbed.vq_train import psnr as psnr_db
     from mmspec.testbed.world import World
 
     vq = LlamaGenVQ.from_pretrained(args.vq).eval()
@@ -116,8 +117,7 @@ def cmd_contact_sheet(args) -> int:
     pixels = to_pixels([s.image for s in scenes])
     with torch.no_grad():
         recon = vq.decode(vq.encode(pixels)).clamp(-1, 1)
-    mse = ((recon - pixels) ** 2).mean((1, 2, 3)) / 4.0  # pixels span 2 units: rescale to [0, 1]
-    psnr = (10 * torch.log10(1.0 / mse.clamp_min(1e-10))).tolist()
+    psnr = psnr_db(recon, pixels).tolist()
     size, scale, cols = pixels.shape[-1], 2, 8
     cell = size * scale
     rows = (args.n + cols - 1) // cols
