@@ -79,6 +79,18 @@ class ChainRule:
         generator: torch.Generator | None = None,
     ) -> AcceptanceResult:
         check_chain_inputs(draft_tokens, draft_probs, target_probs)
+        return self.verify_unchecked(draft_tokens, draft_probs, target_probs, generator=generator)
+
+    def verify_unchecked(
+        self,
+        draft_tokens: torch.Tensor,  # [B, K]
+        draft_probs: torch.Tensor | None,  # [B, K, V] or None
+        target_probs: torch.Tensor,  # [B, K+1, V]
+        *,
+        generator: torch.Generator | None = None,
+    ) -> AcceptanceResult:
+        """`verify` without input validation (which needs a host sync to range-check token
+        ids); the speculative loop calls this, since it builds the inputs itself."""
         B, K = draft_tokens.shape
         V = target_probs.shape[-1]
         dtype = torch.float64 if target_probs.dtype == torch.float64 else torch.float32

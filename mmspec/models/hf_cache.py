@@ -100,14 +100,7 @@ class HFRunner:
         self.model = model
         self.return_hidden = return_hidden
         self.cache: RaggedCache | None = None
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        self.dtype = next(model.parameters()).dtype  # the 4-D mask must match the model dtype
 
     # ---- prefill -------------------------------------------------------------------------
     def prefill(
