@@ -62,7 +62,7 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--batch-sizes", type=_ints, default=(1, 8), help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--draft-tokens", type=_ints, default=(4, 3), help="draft tokens K per batch size (default 4,3)")
     p.add_argument("--max-new-tokens", type=int, default=48 if demo else 64)
-    p.add_argument("--repeats", type=int, default=1 if demo else 3, help="timed runs per method (median)")
+    p.add_argument("--repeats", type=int, default=2 if demo else 3, help="timed runs per method (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--target-layers", type=int, default=14)
     p.add_argument("--perturbation", type=float, default=0.03, help="target/drafter disagreement knob")
