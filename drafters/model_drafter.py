@@ -28,15 +28,17 @@ import torch
 
 from mmspec.models.hf_cache import HFRunner
 from mmspec.models.hf_target import chain_visibility, text_vocab_size
+from mmspec.models.prepack import maybe_packed
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig
 
 
 class ModelDrafter:
-    """Drafts with a small HF causal LM."""
+    """Drafts with a small HF causal LM. `prepack` ("auto", True, False): run its linear
+    layers on oneDNN-prepacked weights (float32 CPU models; mmspec/models/prepack.py)."""
 
-    def __init__(self, model, num_draft_tokens: int = 4, tree: TreeConfig | None = None):
+    def __init__(self, model, num_draft_tokens: int = 4, tree: TreeConfig | None = None, *, prepack="auto"):
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
         if tree is not None and not isinstance(tree, TreeConfig):
@@ -47,7 +49,7 @@ class ModelDrafter:
         self.num_draft_tokens = num_draft_tokens
         self.tree = tree
         self.vocab_size = text_vocab_size(model)
-        self.runner = HFRunner(model)
+        self.runner = HFRunner(maybe_packed(model, prepack))
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mmspec.models.hf_cache import HFRunner
+from mmspec.models.prepack import maybe_packed
 from mmspec.tree import ancestors, depths
 from mmspec.types import CommitInfo, TargetOutput
 
@@ -31,9 +32,12 @@ def text_vocab_size(model) -> int:
 
 
 class HFTarget:
-    """Wraps a `transformers.PreTrainedModel` with an LM head."""
+    """Wraps a `transformers.PreTrainedModel` with an LM head.
 
-    def __init__(self, model, *, return_hidden: bool = False):
+    `prepack` ("auto", True, False): run the model's linear layers on oneDNN-prepacked
+    weights (float32 CPU models; see mmspec/models/prepack.py). The model is not modified."""
+
+    def __init__(self, model, *, return_hidden: bool = False, prepack="auto"):
         import inspect
 
         if "image_grid_thw" in inspect.signature(model.forward).parameters:
@@ -45,7 +49,7 @@ class HFTarget:
             )
         self.model = model
         self.vocab_size = text_vocab_size(model)
-        self.runner = HFRunner(model, return_hidden=return_hidden)
+        self.runner = HFRunner(maybe_packed(model, prepack), return_hidden=return_hidden)
 
     def _output(self, out) -> TargetOutput:
         hidden = out.hidden_states[-1] if self.runner.return_hidden else None

@@ -1,0 +1,122 @@
+"""CPU weight prepacking (mmspec/models/prepack.py): the packed view computes what the model
+computes (float32 rounding), never modifies the model, follows in-place weight changes,
+keeps gradients on the real weights, and greedy speculative decoding through packed float32
+models still equals the original model's plain greedy `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.drafters import ModelDrafter
+from mmspec.models.hf_target import HFTarget
+from mmspec.models.prepack import PackedLinear, packed_model, prepack_available, should_prepack
+
+from conftest import left_padded, noisy_copy, tiny_llama
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def llama32():
+    return tiny_llama(layers=2, seed=7, vocab=V, hidden=48, dtype=torch.float32)
+
+
+def test_view_matches_and_leaves_model_alone(llama32):
+    view = packed_model(llama32)
+    assert view is packed_model(llama32)  # cached per model
+    assert all(type(m) is not PackedLinear for m in llama32.modules())  # the model is untouched
+    packed = [m for m in view.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in llama32.modules() if type(m) is torch.nn.Linear]
+    assert len(packed) == len(linears) > 0
+    assert view.lm_head.weight is llama32.lm_head.weight  # parameters are shared, not copied
+    ids = torch.randint(3, V, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = llama32(input_ids=ids).logits
+        got = view(input_ids=ids).logits
+    scale = ref.abs().max()
+    assert torch.allclose(got, ref, rtol=0, atol=1e-5 * scale), (got - ref).abs().max()
+
+
+def test_in_place_weight_change_is_followed(llama32):
+    model = tiny_llama(layers=1, seed=3, vocab=V, hidden=48, dtype=torch.float32)
+    view = packed_model(model)
+    ids = torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = view(input_ids=ids).logits
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        model.lm_head.weight.add_(0.5)
+        ref = model(input_ids=ids).logits
+        after = view(input_ids=ids).logits
+    assert not torch.allclose(before, ref, atol=1e-3)  # the change matters ...
+    assert torch.allclose(after, ref, rtol=0, atol=1e-5 * ref.abs().max())  # ... and the view follows it
+
+
+def test_gradients_reach_the_real_weights(llama32):
+    lin = torch.nn.Linear(8, 5)
+    packed = PackedLinear(lin)
+    x = torch.randn(3, 8)
+    packed(x).sum().backward()
+    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, x.sum(0).expand(5, 8))
+
+
+def test_should_prepack_rules(llama32):
+    assert should_prepack(llama32, "auto") is True
+    assert should_prepack(llama32, False) is False
+    f64 = tiny_llama(layers=1, dtype=torch.float64)
+    assert should_prepack(f64, "auto") is False  # exactness tests run in float64: never packed
+    with pytest.raises(ValueError, match="prepack=True.*float64"):
+        should_prepack(f64, True)
+    with pytest.raises(ValueError, match="prepack must be"):
+        should_prepack(llama32, "yes")
+    with pytest.raises(ValueError, match="prepack"):
+        HFTarget(f64, prepack=True)
+    with pytest.raises(ValueError, match="prepack"):
+        ModelDrafter(f64, 3, prepack="sometimes")
+
+
+def test_packed_greedy_equals_plain_generate(llama32):
+    drafter = noisy_copy(llama32, 0.3)
+    ids, mask = left_padded([9, 5, 7, 3], vocab=V, seed=11)
+    N = 16
+    ref = llama32.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N,
+                           min_new_tokens=N, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    # Float32 kernels round differently; the comparison is meaningful only if no greedy step
+    # of the reference is a near-tie. Checked, not assumed.
+    top2 = torch.stack(ref.scores, 1).topk(2, -1).values
+    assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-3
+    target = HFTarget(llama32, prepack=True)
+    assert isinstance(target.runner.model.lm_head, PackedLinear)
+    for draft_model, tree in ((drafter, None), (drafter, mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6))):
+        d = ModelDrafter(draft_model, 3, tree, prepack=True)
+        out = mmspec.speculative_generate(target, d, ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
+        assert torch.equal(out.sequences, ref.sequences), (out.sequences[:, 9:], ref.sequences[:, 9:])
+        assert out.stats.mean_accepted_length > 1.0
+
+
+def test_vlm_view_matches():
+    """The view is built generically from the module tree: a LLaVA (vision tower, projector,
+    language model) computes the same logits through it."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=60, vision_feature_layer=-1,
+                      vision_feature_select_strategy="default")
+    model = LlavaForConditionalGeneration(cfg).eval()
+    view = packed_model(model)
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in view.modules()) == n_linear > 10
+    ids = torch.randint(3, 50, (2, 9), generator=torch.Generator().manual_seed(2))
+    ids[:, 1:5] = 60  # 2x2 patches -> 4 image tokens per row
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(input_ids=ids, pixel_values=pixels).logits
+        got = view(input_ids=ids, pixel_values=pixels).logits
+    assert torch.allclose(got, ref, rtol=0, atol=1e-5 * ref.abs().max()), (got - ref).abs().max()
