@@ -2,11 +2,15 @@
 side by side in one run, on the locally built pair of `mmspec.bench.pair`.
 
 For each batch size it reports tokens/s, the speed-up over plain decoding of the same
-target on the same prompts, the mean accepted length, and the *ideal* speed-up that the
-measured acceptance and per-call costs predict (target forwards over K+1 tokens and drafter
-forwards timed on their own with a plain DynamicCache), so the engine's own overhead shows
-as `efficiency = measured / ideal`. Greedy outputs are checked to be identical to plain
-decoding. Timings are medians of `repeats` runs after one warm-up.
+target on the same prompts (both against stock transformers and against plain decoding on
+the row's own linear kernels), the mean accepted length, and the *ideal* speed-up: the
+time of exactly the run's model forwards replayed with no engine around them (`_replay`),
+timed in the same interleaved rounds, so the engine's own overhead shows as
+`efficiency = measured / ideal`. mmspec runs float32 CPU models on prepacked weights by
+default (mmspec/models/prepack.py); with `compare_kernels` every method also runs on the
+other kernels, so the kernel gain and the speculative gain can be read apart. Greedy
+outputs are checked to be identical to plain decoding. Timings are medians of `repeats`
+runs after one warm-up.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mmspec.bench.pair import PairConfig, build_pair, count_parameters, greedy_agreement
+from mmspec.models.hf_target import HFTarget
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class BenchConfig:
     prompt_lengths: tuple[int, int] = (12, 32)
     repeats: int = 3
     threads: int | None = None
+    compare_kernels: bool = True  # also run every method on the other linear kernels
     pair: PairConfig = field(default_factory=PairConfig)
 
     def __post_init__(self) -> None:
@@ -50,10 +56,17 @@ def _median_time(fn, repeats: int):
     return statistics.median(times), result
 
 
-def _interleaved(methods: dict, repeats: int):
+def _interleaved(methods: dict, repeats: int, after_warmup=None):
     """Time each method `repeats` times in rounds (A, B, C, A, B, C, ...) after a warm-up
-    round, so slow drifts of the machine hit every method alike; returns medians."""
+    round, so slow drifts of the machine hit every method alike; returns medians.
+    `after_warmup(outs)` may return more methods (built from the warm-up outputs) to time
+    in the same rounds."""
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
+    if after_warmup is not None:
+        extra = after_warmup(outs)
+        for name, fn in extra.items():
+            outs[name] = fn()
+        methods = {**methods, **extra}
     samples = {name: [] for name in methods}
     for _ in range(repeats):
         for name, fn in methods.items():
@@ -75,29 +88,58 @@ def _prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int):
     return ids, mask
 
 
-@torch.no_grad()
-def _forward_cost(model, batch: int, context: int, width: int, repeats: int = 5) -> float:
-    """Seconds of one forward over `width` new tokens after `context` cached tokens."""
+def _replay(target, drafter, ids, mask, stats, K: int):
+    """The ideal engine for a speculative run: exactly its model forwards and nothing else —
+    the prompt's prefill in target and drafter, then `target_calls` target forwards over K+1
+    tokens and `draft_calls - 1` one-token drafter forwards on plain DynamicCaches (each
+    forward is cropped away again, so the context stays at the prompt: a slightly cheaper
+    attention than the real run's, i.e. a conservative efficiency). Timed in the same rounds
+    as the methods: `efficiency = replay time / measured time`."""
     from transformers import DynamicCache
 
-    ids = torch.randint(3, model.config.vocab_size, (batch, context + width))
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
-    def step():
-        model(input_ids=ids[:, context:], past_key_values=cache, use_cache=True)
-        cache.crop(-width)  # transformers 5.x: a negative count of tokens to drop
-    return _median_time(step, repeats)[0]
+    B = ids.shape[0]
+    new = torch.randint(3, target.config.vocab_size, (B, K + 1), generator=torch.Generator().manual_seed(0))
+
+    @torch.no_grad()
+    def replay():
+        for model, calls, width in ((target, stats.target_calls, K + 1), (drafter, stats.draft_calls - 1, 1)):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            for _ in range(calls):
+                model(input_ids=new[:, :width], past_key_values=cache, use_cache=True)
+                cache.crop(-width)  # transformers 5.x: a negative count of tokens to drop
+        return None
+
+    return replay
+
+
+def _assisted_setup(drafter, K: int) -> None:
+    """transformers' assisted generation with a fixed K: constant schedule, no early stop."""
+    drafter.generation_config.num_assistant_tokens = K
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    drafter.generation_config.assistant_confidence_threshold = 0.0
 
 
 def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
+    """Rows per batch size. `kernels` says which linear kernels a row's models run on:
+    "stock" (`F.linear`, what plain transformers uses) or "prepacked" (oneDNN prepacked
+    weights, mmspec's default on float32 CPU models, see mmspec/models/prepack.py). With
+    `compare_kernels` every method also runs on the other kernels, so the speculative gain
+    and the kernel gain can be read apart (transformers' generate runs on mmspec's packed
+    view of the same models)."""
     import mmspec
     from mmspec.drafters import ModelDrafter
+    from mmspec.models.prepack import packed_model, should_prepack
 
     if config.threads:
         torch.set_num_threads(config.threads)
     target, drafter = build_pair(config.pair)
     for m in (target, drafter):
         m.generation_config.eos_token_id = None  # measure fixed-length generations
+    packed = should_prepack(target, "auto") and should_prepack(drafter, "auto")
+    models = {"stock": (target, drafter)}
+    if packed:
+        models["prepacked"] = (packed_model(target), packed_model(drafter))
     probe, _ = _prompts(8, config.prompt_lengths, config.pair.vocab_size, seed=99)
     info = {
         "target_params_M": round(count_parameters(target) / 1e6, 1),
@@ -105,68 +147,89 @@ def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
         "greedy_agreement": round(greedy_agreement(target, drafter, probe), 3),
         "threads": torch.get_num_threads(),
         "device": "cpu",
+        "mmspec_kernels": "prepacked" if packed else "stock",
     }
     progress(f"pair: target {info['target_params_M']}M params, drafter {info['drafter_params_M']}M params, "
              f"greedy agreement {info['greedy_agreement']:.0%} (built locally, random weights; see mmspec/bench/pair.py)")
+    default = "prepacked" if packed else "stock"
+    kernel_sets = list(models) if config.compare_kernels else [default]
     rows = []
     N = config.max_new_tokens
     for B, K in zip(config.batch_sizes, config.num_draft_tokens):
         ids, mask = _prompts(B, config.prompt_lengths, config.pair.vocab_size, seed=B)
         gen_args = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
-        methods = {"plain generate": lambda: target.generate(**gen_args)}
-        if B == 1:  # transformers' assisted generation refuses batch > 1
-            drafter.generation_config.num_assistant_tokens = K
-            drafter.generation_config.num_assistant_tokens_schedule = "constant"
-            drafter.generation_config.assistant_confidence_threshold = 0.0
-            methods["transformers assisted"] = lambda: target.generate(**gen_args, assistant_model=drafter)
-        methods["mmspec"] = lambda: mmspec.speculative_generate(
-            target, ModelDrafter(drafter, K), ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
-        progress(f"batch {B}: {', '.join(methods)} (K={K}), interleaved, {config.repeats} timed rounds ...")
-        times, outs = _interleaved(methods, config.repeats)
-        t_plain, ref = times["plain generate"], outs["plain generate"]
-        results = {}
-        for name in methods:
-            out = outs[name]
-            if name == "mmspec":
-                results[name] = (times[name], out.stats, torch.equal(out.sequences, ref))
-            else:
-                results[name] = (times[name], None, torch.equal(out, ref))
-        t_mm, out_mm = times["mmspec"], outs["mmspec"]
-        # Ideal: the same number of target and drafter calls with no engine overhead at all.
-        ctx = ids.shape[1] + N // 2
-        st = out_mm.stats
-        t_verify = _forward_cost(target, B, ctx, K + 1)
-        t_draft = _forward_cost(drafter, B, ctx, 1)
-        ideal_time = st.target_calls * t_verify + st.draft_calls * t_draft + _forward_cost(target, B, 1, ids.shape[1], 1)
-        ideal = t_plain / ideal_time
-        for name, (t, stats, same) in results.items():
-            rows.append({
-                "batch": B, "method": name, "K": K if name != "plain generate" else None,
+        methods = {}  # (method, kernels) -> fn
+        for kern in kernel_sets:
+            t_m, d_m = models[kern]
+            methods[("plain generate", kern)] = lambda t_m=t_m: t_m.generate(**gen_args)
+            if B == 1:  # transformers' assisted generation refuses batch > 1
+                _assisted_setup(d_m, K)
+                methods[("transformers assisted", kern)] = lambda t_m=t_m, d_m=d_m: t_m.generate(**gen_args, assistant_model=d_m)
+            pre = kern == "prepacked"
+            methods[("mmspec", kern)] = lambda pre=pre: mmspec.speculative_generate(
+                HFTarget(target, prepack=pre), ModelDrafter(drafter, K, prepack=pre), ids, mask,
+                temperature=0, max_new_tokens=N, pad_token_id=0)
+        names = sorted({m for m, _ in methods}, key=["plain generate", "transformers assisted", "mmspec"].index)
+        progress(f"batch {B}: {', '.join(names)} (K={K}) on {' and '.join(kernel_sets)} kernels, interleaved, "
+                 f"{config.repeats} timed rounds ...")
+        def replays(warm):  # the ideal engine for each mmspec run, timed in the same rounds
+            return {("ideal", kern): _replay(*models[kern], ids, mask, warm[("mmspec", kern)].stats, K)
+                    for kern in kernel_sets}
+
+        times, outs = _interleaved(methods, config.repeats, replays)
+        t_plain, ref = times[("plain generate", "stock")], outs[("plain generate", "stock")]
+        for (name, kern), t in times.items():
+            if name == "ideal":
+                continue
+            out = outs[(name, kern)]
+            stats = out.stats if name == "mmspec" else None
+            seqs = out.sequences if name == "mmspec" else out
+            row = {
+                "batch": B, "method": name, "kernels": kern, "K": K if name != "plain generate" else None,
                 "seconds": round(t, 4), "tokens_per_s": round(B * N / t, 1),
                 "speedup_vs_plain": round(t_plain / t, 3),
+                "speedup_vs_plain_same_kernels": round(times[("plain generate", kern)] / t, 3),
                 "mean_accepted_length": round(stats.mean_accepted_length, 3) if stats else None,
-                "ideal_speedup": round(ideal, 3) if name == "mmspec" else None,
-                "efficiency": round((t_plain / t) / ideal, 3) if name == "mmspec" else None,
-                "identical_to_plain": same,
-            })
-        if "transformers assisted" in results:
-            rows[-1]["speedup_vs_assisted"] = round(results["transformers assisted"][0] / t_mm, 3)
+                "ideal_speedup": None, "efficiency": None,
+                "identical_to_plain": torch.equal(seqs, ref),
+            }
+            if stats is not None:
+                ideal_time = times[("ideal", kern)]  # the same forwards, same kernels, no engine
+                row["ideal_speedup"] = round(t_plain / ideal_time, 3)
+                row["efficiency"] = round(ideal_time / t, 3)
+                for peer_kern in kernel_sets:
+                    if ("transformers assisted", peer_kern) in times:
+                        row[f"speedup_vs_assisted_{peer_kern}"] = round(times[("transformers assisted", peer_kern)] / t, 3)
+            rows.append(row)
     return {"info": info, "config": asdict(config), "rows": rows}
 
 
 def format_table(report: dict) -> str:
-    head = f"{'batch':>5} {'method':<22} {'K':>2} {'tok/s':>8} {'speedup':>8} {'acc.len':>8} {'ideal':>6} {'effic.':>6} {'same':>5}"
+    """The side-by-side table; `vs plain` is against plain `generate` on stock kernels (what
+    transformers users run), `same kern.` against plain `generate` on the row's own kernels."""
+    head = (f"{'batch':>5} {'method':<22} {'kernels':<9} {'K':>2} {'tok/s':>7} {'vs plain':>8} {'same kern.':>10} "
+            f"{'acc.len':>7} {'ideal':>6} {'effic.':>6} {'same':>5}")
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         lines.append(
-            f"{r['batch']:>5} {r['method']:<22} {r['K'] or '':>2} {r['tokens_per_s']:>8.1f} "
-            f"{r['speedup_vs_plain']:>7.2f}x {r['mean_accepted_length'] or '':>8} "
+            f"{r['batch']:>5} {r['method']:<22} {r['kernels']:<9} {r['K'] or '':>2} {r['tokens_per_s']:>7.1f} "
+            f"{r['speedup_vs_plain']:>7.2f}x {r['speedup_vs_plain_same_kernels']:>9.2f}x {r['mean_accepted_length'] or '':>7} "
             f"{(str(r['ideal_speedup']) + 'x') if r['ideal_speedup'] else '':>6} "
             f"{(format(r['efficiency'], '.0%')) if r['efficiency'] else '':>6} {'yes' if r['identical_to_plain'] else 'NO':>5}"
         )
+    default = report["info"].get("mmspec_kernels", "stock")
     for r in report["rows"]:
-        if "speedup_vs_assisted" in r:
-            lines.append(f"batch {r['batch']}: mmspec is {r['speedup_vs_assisted']:.2f}x faster than transformers' assisted generation")
+        if r["method"] != "mmspec":
+            continue
+        for key, value in r.items():
+            if key.startswith("speedup_vs_assisted_"):
+                peer = key.removeprefix("speedup_vs_assisted_")
+                what = ("as each library runs by default" if r["kernels"] == default and peer == "stock"
+                        else "same kernels" if peer == r["kernels"] else "mixed kernels")
+                if what == "mixed kernels":
+                    continue
+                lines.append(f"batch {r['batch']}: mmspec ({r['kernels']}) is {value:.2f}x faster than transformers' "
+                             f"assisted generation ({peer}) [{what}]")
     return "\n".join(lines)
 
 
