@@ -19,6 +19,7 @@ class SpecStats:
     draft_calls: int = 0  # drafter forwards (catch-up + drafting)
     new_tokens: list[int] = field(default_factory=list)  # per input row
     row_steps: int = 0  # sum over steps of active rows
+    active_rows: list[int] = field(default_factory=list)  # [step]: rows verified in that step
     accepted_drafts: int = 0  # sum over row-steps of accepted draft tokens
     drafted_nodes: int = 0  # sum over row-steps of draft nodes proposed
     accept_counts: list[int] = field(default_factory=list)  # [i]: row-steps with >= i+1 accepted
@@ -30,6 +31,7 @@ class SpecStats:
     def record_step(self, num_accepted: list[int], num_nodes: int) -> None:
         self.target_calls += 1
         self.row_steps += len(num_accepted)
+        self.active_rows.append(len(num_accepted))
         self.drafted_nodes += num_nodes * len(num_accepted)
         for n in num_accepted:
             self.accepted_drafts += n

@@ -46,16 +46,6 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
-def _median_time(fn, repeats: int):
-    fn()  # warm-up
-    times, result = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
-
-
 def _interleaved(methods: dict, repeats: int, after_warmup=None):
     """Time each method `repeats` times in rounds (A, B, C, A, B, C, ...) after a warm-up
     round, so slow drifts of the machine hit every method alike; returns medians.
@@ -90,24 +80,41 @@ def _prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int):
 
 def _replay(target, drafter, ids, mask, stats, K: int):
     """The ideal engine for a speculative run: exactly its model forwards and nothing else —
-    the prompt's prefill in target and drafter, then `target_calls` target forwards over K+1
-    tokens and `draft_calls - 1` one-token drafter forwards on plain DynamicCaches (each
-    forward is cropped away again, so the context stays at the prompt: a slightly cheaper
-    attention than the real run's, i.e. a conservative efficiency). Timed in the same rounds
-    as the methods: `efficiency = replay time / measured time`."""
+    the prompt's prefill in target and drafter, then per step one target forward over K+1
+    tokens and the drafter's one-token forwards, each over the rows that step had active
+    (`stats.active_rows`: finished rows leave the batch). The KV caches are built before
+    timing, one per distinct row count, and each forward is cropped away again, so the
+    context stays at the prompt (slightly cheaper attention than the real run's: a
+    conservative efficiency). Timed in the same rounds as the methods:
+    `efficiency = replay time / measured time`."""
     from transformers import DynamicCache
 
     B = ids.shape[0]
+    steps = stats.active_rows
+    per_step, extra = divmod(max(stats.draft_calls - 1, 0), max(len(steps), 1))
     new = torch.randint(3, target.config.vocab_size, (B, K + 1), generator=torch.Generator().manual_seed(0))
+    caches = {}
+    with torch.no_grad():
+        for b in sorted(set(steps) | {B}):
+            for model in (target, drafter):
+                cache = DynamicCache(config=model.config)
+                model(input_ids=ids[:b], attention_mask=mask[:b], past_key_values=cache, use_cache=True)
+                caches[id(model), b] = cache
+
+    def forward(model, b, width):
+        model(input_ids=new[:b, :width], past_key_values=caches[id(model), b], use_cache=True)
+        caches[id(model), b].crop(-width)  # transformers 5.x: a negative count of tokens to drop
 
     @torch.no_grad()
     def replay():
-        for model, calls, width in ((target, stats.target_calls, K + 1), (drafter, stats.draft_calls - 1, 1)):
-            cache = DynamicCache(config=model.config)
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            for _ in range(calls):
-                model(input_ids=new[:, :width], past_key_values=cache, use_cache=True)
-                cache.crop(-width)  # transformers 5.x: a negative count of tokens to drop
+        target(input_ids=ids, attention_mask=mask)  # the prefills
+        drafter(input_ids=ids, attention_mask=mask)
+        for b in steps:
+            forward(target, b, K + 1)
+            for _ in range(per_step):
+                forward(drafter, b, 1)
+        for _ in range(extra):
+            forward(drafter, B, 1)
         return None
 
     return replay
@@ -158,7 +165,7 @@ def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
     for B, K in zip(config.batch_sizes, config.num_draft_tokens):
         ids, mask = _prompts(B, config.prompt_lengths, config.pair.vocab_size, seed=B)
         gen_args = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
-        methods = {}  # (method, kernels) -> fn
+        methods = {("plain generate", "stock"): lambda: target.generate(**gen_args)}  # the reference, always
         for kern in kernel_sets:
             t_m, d_m = models[kern]
             methods[("plain generate", kern)] = lambda t_m=t_m: t_m.generate(**gen_args)
