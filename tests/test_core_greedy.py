@@ -92,6 +92,10 @@ def test_eos_and_max_new_tokens_per_row(target, good_drafter):
         expected = int(hits[0]) + 1 if len(hits) else 24
         assert out.stats.new_tokens[b] == expected
         assert (new[b, expected:] == 0).all()
+    # Finished rows leave the working batch: the per-step row counts fall as rows end.
+    rows = out.stats.active_rows
+    assert len(rows) == out.stats.target_calls and sum(rows) == out.stats.row_steps
+    assert rows[0] == len(LENGTHS) and rows[-1] < rows[0] and rows == sorted(rows, reverse=True)
 
 
 def test_drafter_that_proposes_nothing(target):

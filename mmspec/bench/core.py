@@ -46,17 +46,10 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
-def _interleaved(methods: dict, repeats: int, after_warmup=None):
+def _interleaved(methods: dict, repeats: int):
     """Time each method `repeats` times in rounds (A, B, C, A, B, C, ...) after a warm-up
-    round, so slow drifts of the machine hit every method alike; returns medians.
-    `after_warmup(outs)` may return more methods (built from the warm-up outputs) to time
-    in the same rounds."""
+    round, so slow drifts of the machine hit every method alike; returns medians."""
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
-    if after_warmup is not None:
-        extra = after_warmup(outs)
-        for name, fn in extra.items():
-            outs[name] = fn()
-        methods = {**methods, **extra}
     samples = {name: [] for name in methods}
     for _ in range(repeats):
         for name, fn in methods.items():
@@ -78,43 +71,57 @@ def _prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int):
     return ids, mask
 
 
-def _replay(target, drafter, ids, mask, stats, K: int):
-    """The ideal engine for a speculative run: exactly its model forwards and nothing else —
-    the prompt's prefill in target and drafter, then per step one target forward over K+1
-    tokens and the drafter's one-token forwards, each over the rows that step had active
-    (`stats.active_rows`: finished rows leave the batch). The KV caches are built before
-    timing, one per distinct row count, and each forward is cropped away again, so the
-    context stays at the prompt (slightly cheaper attention than the real run's: a
-    conservative efficiency). Timed in the same rounds as the methods:
+def _record_forwards(fn, models: dict):
+    """Run `fn()` once with forward pre-hooks on `models` ({name: module}); returns the
+    output and the list of (name, rows, width) of every forward, in order."""
+    log, handles = [], []
+    for name, model in models.items():
+        def hook(module, args, kwargs, name=name):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            log.append((name, ids.shape[0], ids.shape[1]))
+        handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        out = fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return out, log
+
+
+def _replay(models: dict, ids, mask, log):
+    """The ideal engine for a speculative run: exactly its model forwards (`log`, from
+    `_record_forwards`: which model, how many rows, how many new tokens) and nothing else.
+    Each model's first forward is the prompt's prefill; the others run on plain
+    DynamicCaches built before timing (one per model and row count) and are cropped away
+    again, so the context stays at the prompt (slightly cheaper attention than the real
+    run's: a conservative efficiency). Timed in the same rounds as the methods:
     `efficiency = replay time / measured time`."""
     from transformers import DynamicCache
 
-    B = ids.shape[0]
-    steps = stats.active_rows
-    per_step, extra = divmod(max(stats.draft_calls - 1, 0), max(len(steps), 1))
-    new = torch.randint(3, target.config.vocab_size, (B, K + 1), generator=torch.Generator().manual_seed(0))
-    caches = {}
+    vocab = min(m.config.vocab_size for m in models.values())
+    width = max(w for _, _, w in log)
+    new = torch.randint(3, vocab, (ids.shape[0], width), generator=torch.Generator().manual_seed(0))
+    caches, seen, plan = {}, set(), []
     with torch.no_grad():
-        for b in sorted(set(steps) | {B}):
-            for model in (target, drafter):
-                cache = DynamicCache(config=model.config)
-                model(input_ids=ids[:b], attention_mask=mask[:b], past_key_values=cache, use_cache=True)
-                caches[id(model), b] = cache
-
-    def forward(model, b, width):
-        model(input_ids=new[:b, :width], past_key_values=caches[id(model), b], use_cache=True)
-        caches[id(model), b].crop(-width)  # transformers 5.x: a negative count of tokens to drop
+        for name, b, w in log:
+            if name not in seen:  # the prefill
+                seen.add(name)
+                plan.append((models[name], None, b, w))
+                continue
+            if (name, b) not in caches:
+                cache = DynamicCache(config=models[name].config)
+                models[name](input_ids=ids[:b], attention_mask=mask[:b], past_key_values=cache, use_cache=True)
+                caches[name, b] = cache
+            plan.append((models[name], caches[name, b], b, w))
 
     @torch.no_grad()
     def replay():
-        target(input_ids=ids, attention_mask=mask)  # the prefills
-        drafter(input_ids=ids, attention_mask=mask)
-        for b in steps:
-            forward(target, b, K + 1)
-            for _ in range(per_step):
-                forward(drafter, b, 1)
-        for _ in range(extra):
-            forward(drafter, B, 1)
+        for model, cache, b, w in plan:
+            if cache is None:
+                model(input_ids=ids[:b], attention_mask=mask[:b])
+            else:
+                model(input_ids=new[:b, :w], past_key_values=cache, use_cache=True)
+                cache.crop(-w)  # transformers 5.x: a negative count of tokens to drop
         return None
 
     return replay
@@ -179,11 +186,11 @@ def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
         names = sorted({m for m, _ in methods}, key=["plain generate", "transformers assisted", "mmspec"].index)
         progress(f"batch {B}: {', '.join(names)} (K={K}) on {' and '.join(kernel_sets)} kernels, interleaved, "
                  f"{config.repeats} timed rounds ...")
-        def replays(warm):  # the ideal engine for each mmspec run, timed in the same rounds
-            return {("ideal", kern): _replay(*models[kern], ids, mask, warm[("mmspec", kern)].stats, K)
-                    for kern in kernel_sets}
-
-        times, outs = _interleaved(methods, config.repeats, replays)
+        for kern in kernel_sets:  # the ideal engine for each mmspec run (an extra, untimed run records it)
+            named = {"target": models[kern][0], "drafter": models[kern][1]}
+            _, log = _record_forwards(methods[("mmspec", kern)], named)
+            methods[("ideal", kern)] = _replay(named, ids, mask, log)
+        times, outs = _interleaved(methods, config.repeats)
         t_plain, ref = times[("plain generate", "stock")], outs[("plain generate", "stock")]
         for (name, kern), t in times.items():
             if name == "ideal":
