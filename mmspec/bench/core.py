@@ -242,7 +242,7 @@ def format_table(report: dict) -> str:
                         else "same kernels" if peer == r["kernels"] else "mixed kernels")
                 if what == "mixed kernels":
                     continue
-                lines.append(f"batch {r['batch']}: mmspec ({r['kernels']}) is {value:.2f}x faster than transformers' "
+                lines.append(f"batch {r['batch']}: mmspec ({r['kernels']}) runs at {value:.2f}x the speed of transformers' "
                              f"assisted generation ({peer}) [{what}]")
     return "\n".join(lines)
 
