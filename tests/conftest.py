@@ -29,6 +29,18 @@ def tiny_llama(layers: int = 2, seed: int = 0, vocab: int = VOCAB, hidden: int =
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
+def tiny_llava_config(vocab: int = 64, image_token: int = 60):
+    """A tiny LLaVA config (CLIP vision tower, 16x16 images, 2x2 patches -> 4 image tokens)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    text = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                       vision_feature_layer=-1, vision_feature_select_strategy="default")
+
+
 def noisy_copy(model, scale: float, seed: int = 123):
     """A drafter that agrees with `model` part of the time: its weights plus Gaussian noise."""
     import copy

@@ -13,7 +13,7 @@ from mmspec.drafters import ModelDrafter
 from mmspec.models.hf_target import HFTarget
 from mmspec.models.prepack import PackedLinear, packed_model, prepack_available, should_prepack
 
-from conftest import left_padded, noisy_copy, tiny_llama
+from conftest import left_padded, noisy_copy, tiny_llama, tiny_llava_config
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="torch built without oneDNN")
 
@@ -100,15 +100,10 @@ def test_packed_greedy_equals_plain_generate(llama32):
 def test_vlm_view_matches():
     """The view is built generically from the module tree: a LLaVA (vision tower, projector,
     language model) computes the same logits through it."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaForConditionalGeneration
 
     torch.manual_seed(0)
-    text = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                              image_size=16, patch_size=8, projection_dim=32)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=60, vision_feature_layer=-1,
-                      vision_feature_select_strategy="default")
+    cfg = tiny_llava_config(V, 60)
     model = LlavaForConditionalGeneration(cfg).eval()
     view = packed_model(model)
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())

@@ -10,21 +10,19 @@ import torch
 import mmspec
 from mmspec.drafters import ModelDrafter
 
+from conftest import tiny_llava_config
+
 IMG = 60
 V = 64
 
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaForConditionalGeneration
 
     torch.manual_seed(0)
-    text = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                              image_size=16, patch_size=8, projection_dim=32)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMG, vision_feature_layer=-1,
-                      vision_feature_select_strategy="default")
+    cfg = tiny_llava_config(V, IMG)
+    text = cfg.text_config
     path = tmp_path_factory.mktemp("llava")
     LlavaForConditionalGeneration(cfg).save_pretrained(path)
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")

@@ -100,10 +100,8 @@ def should_prepack(model: torch.nn.Module, prepack="auto") -> bool:
 def _view(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     if id(module) in memo:
         return memo[id(module)]
-    if type(module) is torch.nn.Linear:
-        new = PackedLinear(module)
-    else:
-        new = copy.copy(module)  # shallow: shares parameters, buffers, config and hooks
+    if type(module) is not torch.nn.Linear:
+        new = copy.copy(module)  # shallow: shares parameter tensors, buffers and config
         new._parameters = dict(module._parameters)
         new._buffers = dict(module._buffers)
         for name, value in vars(module).items():
@@ -112,9 +110,11 @@ def _view(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
                 # must not be installed twice on the other.
                 setattr(new, name, type(value)(value))
         new._modules = {}
-        memo[id(module)] = new
+        memo[id(module)] = new  # before the children: a child may refer back to a shared module
         for name, child in module._modules.items():
             new._modules[name] = None if child is None else _view(child, memo)
+        return new
+    new = PackedLinear(module)
     memo[id(module)] = new
     return new
 
