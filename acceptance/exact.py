@@ -49,3 +49,10 @@ class ExactAcceptance(ChainRule):
 
     def residual(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         return exact_residual(x, p, q)
+
+    def at_temperature_zero(self):
+        """Exact verification of a one-hot p is greedy verification (first mismatch stops,
+        the target's argmax is the next token); the loop uses the cheaper rule then."""
+        from .greedy import GreedyAcceptance
+
+        return GreedyAcceptance()

@@ -26,16 +26,30 @@ from typing import Any
 
 import torch
 
-from mmspec.models.hf_cache import HFRunner
-from mmspec.models.hf_target import chain_visibility, text_vocab_size
-from mmspec.models.prepack import maybe_packed
+from mmspec.spec import ForwardSpec, SpecRunner
+from mmspec.spec_target import chain_visibility
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig
 
 
+def drafter_spec(model, prepack) -> ForwardSpec:
+    """The forward spec a drafter model runs through: its own when it is an
+    `mmspec.spec.ForwardSpec` (mmspec's own models), transformers' otherwise."""
+    if isinstance(model, ForwardSpec):
+        return model
+    if not hasattr(model, "config") or not callable(model):
+        raise TypeError(
+            f"model must be a transformers PreTrainedModel or an mmspec.spec.ForwardSpec, got {type(model).__name__}"
+        )
+    from mmspec.models.hf_spec import HFSpec
+    from mmspec.models.prepack import maybe_packed
+
+    return HFSpec(maybe_packed(model, prepack), source=model)
+
+
 class ModelDrafter:
-    """Drafts with a small HF causal LM. `prepack` ("auto", True, False): run its linear
+    """Drafts with a small HF causal LM (or any `ForwardSpec`). `prepack` ("auto", True, False): run its linear
     layers on oneDNN-prepacked weights (float32 CPU models; mmspec/models/prepack.py)."""
 
     def __init__(self, model, num_draft_tokens: int = 4, tree: TreeConfig | None = None, *, prepack="auto"):
@@ -43,13 +57,12 @@ class ModelDrafter:
             raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
         if tree is not None and not isinstance(tree, TreeConfig):
             raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
-        if not hasattr(model, "config") or not callable(model):
-            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.tree = tree
-        self.vocab_size = text_vocab_size(model)
-        self.runner = HFRunner(maybe_packed(model, prepack))
+        spec = drafter_spec(model, prepack)
+        self.vocab_size = spec.vocab_size
+        self.runner = SpecRunner(spec)
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
 
@@ -87,7 +100,7 @@ class ModelDrafter:
             if i < K - 1:
                 vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
                 depth = torch.full((B, 1), i, dtype=torch.long, device=device)
-                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, logits_to_keep=1).logits[:, -1]
+                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True).logits[:, -1]
                 self.draft_calls += 1
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
         return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)

@@ -8,16 +8,37 @@ at import time.
 """
 
 from mmspec.engine import SpecOutput, speculative_generate
+from mmspec.guided import GuidedTarget
 from mmspec.protocols import AcceptanceRule, Drafter, Target
+from mmspec.ragged import Attention, RaggedKV
 from mmspec.sampling import SamplingConfig, process_logits
+from mmspec.spec import ForwardSpec, SpecRunner
+from mmspec.spec_target import SpecTarget
 from mmspec.stats import SpecStats
-from mmspec.types import AcceptanceResult, CommitInfo, Draft, TargetOutput, TreeAcceptance, TreeConfig
+from mmspec.types import (
+    AcceptanceResult,
+    CommitInfo,
+    Draft,
+    FeatureRequest,
+    TargetOutput,
+    TreeAcceptance,
+    TreeConfig,
+    Verdict,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AcceptanceResult",
     "AcceptanceRule",
+    "Attention",
+    "FeatureRequest",
+    "ForwardSpec",
+    "GuidedTarget",
+    "RaggedKV",
+    "SpecRunner",
+    "SpecTarget",
+    "Verdict",
     "CommitInfo",
     "Draft",
     "Drafter",

@@ -3,30 +3,32 @@
 Per step, for the B active rows (finished rows are dropped from the working batch, so they
 stop costing draft *and* verify work):
 
-    draft  = drafter.propose(roots)                       # chain [B, K] or tree [B, N]
-    out    = target.verify([roots | draft], parents)      # ONE target forward
-    result = rule.verify(...) or verify_tree(rule, ...)   # per-row accepted path
-    target.commit(info); drafter.commit(info, out)        # per-row rollback
+    draft   = drafter.propose(roots)                       # chain [B, K] or tree [B, N]
+    out     = target.verify([roots | draft], parents)      # ONE target forward
+    verdict = verify_draft(rule, draft, probs)             # per-row accepted path
+    target.commit(info); drafter.commit(info, out)         # per-row rollback
 
-The only host sync per step is the `.tolist()` that tells the host how many tokens each
-row kept (and whether it finished); everything else stays on the device. Greedy
-(`temperature=0`) output equals plain greedy decoding token for token; with a lossless rule
-(`"exact"`) sampled output is distributed like plain sampling with the same temperature,
-top-k and top-p (Leviathan et al. 2023; Chen et al. 2023).
+Output bookkeeping (EOS, `max_new_tokens`, finished rows) lives in `_Emitter`. The only host
+sync per step is the `.tolist()` that tells the host how many tokens each row kept (and
+whether it finished); everything else stays on the device. Greedy (`temperature=0`) output
+equals plain greedy decoding token for token; with a lossless rule (`"exact"`) sampled output
+is distributed like plain sampling with the same temperature, top-k and top-p (Leviathan et
+al. 2023; Chen et al. 2023).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mmspec.protocols import check_drafter, check_rule, check_target, is_target
 from mmspec.sampling import SamplingConfig, process_logits
 from mmspec.stats import SpecStats
-from mmspec.tree import verify_tree
-from mmspec.types import CommitInfo
+from mmspec.timing import PhaseTimer
+from mmspec.tree import verify_draft
+from mmspec.types import CommitInfo, Draft, Verdict
 
 
 @dataclass
@@ -35,30 +37,27 @@ class SpecOutput:
     stats: SpecStats
 
 
-_TARGET_METHODS = ("prefill", "verify", "commit", "select_rows")
-_DRAFTER_METHODS = ("prefill", "propose", "commit", "select_rows")
-
-
 def as_target(target):
     """An `mmspec.Target`: returned as is, or an HF model wrapped in `HFTarget`."""
-    if all(hasattr(target, m) for m in _TARGET_METHODS):
+    if is_target(target):
         return target
     if hasattr(target, "config") and callable(target):
         from mmspec.models.hf_target import HFTarget  # adapters may import transformers
 
         return HFTarget(target)
-    raise TypeError(
-        f"target must be a transformers PreTrainedModel or implement mmspec.Target "
-        f"({', '.join(_TARGET_METHODS)}), got {type(target).__name__}"
-    )
+    check_target(target)  # raises a TypeError naming what is missing
+    return target
 
 
 def _eos_list(eos_token_id) -> list[int]:
     if eos_token_id is None:
         return []
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not all(isinstance(i, int) and i >= 0 for i in ids):
-        raise ValueError(f"eos_token_id must be None, an int >= 0 or a list of them, got {eos_token_id!r}")
+    ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
+    if isinstance(ids, torch.Tensor):
+        ids = ids.flatten().tolist()
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be None, an int >= 0 or a non-empty list of them, got {eos_token_id!r}")
     return ids
 
 
@@ -89,6 +88,84 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
     return am
 
 
+def _resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig):
+    from mmspec.acceptance import get_rule  # core -> rules only at call time (layering)
+
+    if acceptance_kwargs is not None and not isinstance(acceptance, str):
+        raise ValueError("acceptance_kwargs is only used with a rule name; configure a rule object directly")
+    rule = get_rule(acceptance, **(acceptance_kwargs or {}))
+    check_rule(rule)
+    if sampling.greedy and hasattr(rule, "at_temperature_zero"):
+        rule = rule.at_temperature_zero()
+    return rule
+
+
+class _Emitter:
+    """Output buffer and per-row progress: which tokens a step emits, EOS and length limits,
+    which rows are still active."""
+
+    def __init__(self, B: int, max_new_tokens: int, eos: list[int], pad_token_id: int, device):
+        self.max_new = max_new_tokens
+        self.eos = eos
+        self.eos_t = torch.tensor(eos, dtype=torch.long, device=device)
+        self.buf = torch.full((B, max_new_tokens + 1), pad_token_id, dtype=torch.long, device=device)
+        self.trash = max_new_tokens  # column that absorbs writes past a row's end
+        self.written = torch.ones(B, dtype=torch.long, device=device)  # the first token, from prefill
+        self.rows_dev = torch.arange(B, device=device)
+        self.rows_host = list(range(B))  # input row of each active row
+        self.new_tokens = [1] * B
+
+    def first(self, roots: torch.Tensor) -> list[int]:
+        """Write the prefill token; returns the active rows that go on."""
+        self.buf[:, 0] = roots
+        # SYNC: once after prefill, to learn which rows ended with their first token.
+        ended = torch.isin(roots, self.eos_t).tolist() if self.eos else [False] * len(self.rows_host)
+        return [i for i, e in enumerate(ended) if not e and self.max_new > 1]
+
+    def emit(self, tokens: torch.Tensor, verdict: Verdict) -> tuple[CommitInfo, list[int], list[int], list[int]]:
+        """Record one step: returns (commit info, accepted counts, emitted counts, rows that go on)."""
+        Ba, N1 = tokens.shape
+        N = N1 - 1
+        device = tokens.device
+        n, path = verdict.num_accepted, verdict.path
+        local = torch.arange(Ba, device=device)
+        # Emitted this step: the accepted path's tokens, then the recovered / bonus token.
+        emitted = torch.cat([tokens.gather(1, path[:, 1:]), tokens.new_zeros(Ba, 1)], 1)  # [Ba, N+1]
+        emitted[local, n] = verdict.next_tokens
+        j = torch.arange(N + 1, device=device).unsqueeze(0)
+        count = n + 1
+        if self.eos:
+            hit = torch.isin(emitted, self.eos_t) & (j < count.unsqueeze(1))
+            first = torch.where(hit.any(1), hit.long().argmax(1), torch.full_like(count, N + 1))
+            count = torch.minimum(count, first + 1)
+        count = torch.minimum(count, self.max_new - self.written)
+        pos = torch.where(j < count.unsqueeze(1), self.written.unsqueeze(1) + j, torch.full_like(j, self.trash))
+        self.buf[self.rows_dev.unsqueeze(1).expand_as(pos), pos] = emitted
+        self.written = self.written + count
+        parts = [n, count, self.written] + ([hit.any(1).long()] if self.eos else [])
+        host = torch.stack(parts).tolist()  # SYNC: the one per step (accepted counts, ends)
+        n_host, count_host, written_host = host[0], host[1], host[2]
+        ended = host[3] if self.eos else [0] * Ba
+        for r, c in zip(self.rows_host, count_host):
+            self.new_tokens[r] += c
+        accepted = torch.where(j[:, :N] < n.unsqueeze(1), emitted[:, :N], torch.full_like(emitted[:, :N], -1))
+        info = CommitInfo(
+            path=path, num_accepted=n, accepted_tokens=accepted, next_tokens=verdict.next_tokens,
+            num_accepted_list=n_host,
+        )
+        keep = [i for i in range(Ba) if not ended[i] and written_host[i] < self.max_new]
+        return info, n_host, count_host, keep
+
+    def select(self, keep: list[int]) -> torch.Tensor:
+        idx = torch.tensor(keep, dtype=torch.long, device=self.buf.device)
+        self.written, self.rows_dev = self.written[idx], self.rows_dev[idx]
+        self.rows_host = [self.rows_host[i] for i in keep]
+        return idx
+
+    def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([input_ids, self.buf[:, : max(self.new_tokens)]], 1)
+
+
 @torch.no_grad()
 def speculative_generate(
     target,
@@ -97,6 +174,7 @@ def speculative_generate(
     attention_mask: torch.Tensor | None = None,
     *,
     acceptance: Any = "exact",
+    acceptance_kwargs: dict[str, Any] | None = None,
     max_new_tokens: int = 64,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -106,139 +184,107 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     **model_inputs,
 ) -> SpecOutput:
-    """Generate with speculative decoding; see DESIGN.md "Public API".
+    """Generate with speculative decoding (docs/architecture.md, "Public API").
 
     `input_ids` [B, L] are left-padded like transformers' batched generation;
-    `sequences[:, L:]` are the new tokens. `temperature=0` is greedy. `model_inputs`
-    (pixel_values, image_grid_thw, ...) go to the target's prefill."""
-    from mmspec.acceptance import GreedyAcceptance, get_rule  # core -> rules only at call time
-
+    `sequences[:, L:]` are the new tokens. `temperature=0` is greedy. `acceptance` is a rule
+    name from `mmspec.acceptance.RULES` (built with `acceptance_kwargs`, e.g. the LANTERN
+    codebook) or a rule object. `model_inputs` (pixel_values, image_grid_thw, ...) go to the
+    target's prefill; the target refuses any it does not use."""
     sampling = SamplingConfig(temperature, top_k, top_p)
     attention_mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
     eos = _eos_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    if not isinstance(pad_token_id, int) or pad_token_id < 0:
+    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0:
         raise ValueError(f"pad_token_id must be None or an int >= 0, got {pad_token_id!r}")
     target = as_target(target)
-    missing = [m for m in _DRAFTER_METHODS if not hasattr(drafter, m)]
-    if missing:
-        raise TypeError(f"drafter must implement mmspec.Drafter; {type(drafter).__name__} lacks {missing}")
-    d_vocab = getattr(drafter, "vocab_size", None)
-    if d_vocab is not None and d_vocab != target.vocab_size:
+    features = check_drafter(drafter)
+    if drafter.vocab_size != target.vocab_size:
         raise ValueError(
-            f"drafter vocabulary ({d_vocab}) differs from the target's ({target.vocab_size}); the drafter must "
-            "share the target's tokenizer and vocabulary size"
+            f"drafter vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size}); the drafter "
+            "must share the target's tokenizer and vocabulary size"
         )
-    rule = get_rule(acceptance)
-    if not all(hasattr(rule, m) for m in ("accept_probability", "residual", "sample")):
+    if not features.empty and not getattr(target, "supports_features", False):
         raise TypeError(
-            f"acceptance rule {type(rule).__name__} does not verify discrete tokens (it lacks accept_probability / "
-            "residual / sample); continuous-token rules run through the MAR pipeline"
+            f"drafter {type(drafter).__name__} reads target features {features} but target {type(target).__name__} "
+            "does not declare supports_features"
         )
-    if sampling.greedy and getattr(rule, "name", None) == "exact":
-        rule = GreedyAcceptance()  # exact verification of one-hot p is greedy verification
-
-    # The loop builds well-formed inputs itself: skip the rule's validation (a host sync).
-    verify_chain = getattr(rule, "verify_unchecked", rule.verify)
-    B, L = input_ids.shape
-    device = input_ids.device
-    stats = SpecStats(new_tokens=[0] * B)
+    rule = _resolve_rule(acceptance, acceptance_kwargs, sampling)
+    stats = SpecStats(new_tokens=[0] * input_ids.shape[0], lossless=bool(rule.lossless))
     if max_new_tokens == 0:
         return SpecOutput(input_ids.clone(), stats)
-    t_start = time.perf_counter()
-    out_buf = torch.full((B, max_new_tokens + 1), pad_token_id, dtype=torch.long, device=device)
-    trash = max_new_tokens  # column that absorbs writes past a row's end
+    loop = _Loop(target, drafter, rule, sampling, generator, stats, input_ids.device)
+    emitter = _Emitter(input_ids.shape[0], max_new_tokens, eos, pad_token_id, input_ids.device)
+    loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
+    while emitter.rows_host:
+        loop.step(emitter)
+    return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
 
-    tout = target.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, drafter.max_draft_nodes)
-    stats.prefill_calls = 1
-    roots = rule.sample(process_logits(tout.logits[:, -1], sampling), generator)
-    t_draft = time.perf_counter()
-    drafter.prefill(input_ids, attention_mask, tout, model_inputs, max_new_tokens)
-    stats.draft_seconds += time.perf_counter() - t_draft
-    out_buf[:, 0] = roots
-    written_dev = torch.ones(B, dtype=torch.long, device=device)
-    distortion_sum = torch.zeros((), dtype=torch.float64, device=device)
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-    # SYNC: once after prefill, to learn which rows ended with their first token.
-    first_eos = torch.isin(roots, eos_t).tolist() if eos else [False] * B
-    written = [1] * B
-    rows_host = list(range(B))  # input row of each active row
-    keep = [i for i in range(B) if not first_eos[i] and written[i] < max_new_tokens]
-    rows_dev = torch.arange(B, device=device)
 
-    def drop_finished(keep_local: list[int]):
-        nonlocal roots, written_dev, rows_dev, rows_host
-        idx = torch.tensor(keep_local, dtype=torch.long, device=device)
-        target.select_rows(idx, keep_local)
-        drafter.select_rows(idx, keep_local)
-        roots, written_dev, rows_dev = roots[idx], written_dev[idx], rows_dev[idx]
-        rows_host = [rows_host[i] for i in keep_local]
+class _Loop:
+    """The four calls of a step, timed per phase."""
 
-    if len(keep) < B:
-        drop_finished(keep)
+    def __init__(self, target, drafter, rule, sampling, generator, stats: SpecStats, device):
+        self.target, self.drafter, self.rule = target, drafter, rule
+        self.sampling, self.generator, self.stats = sampling, generator, stats
+        self.timer = PhaseTimer(device)
+        self.t_start = self.timer.mark()
+        self.distortion = torch.zeros((), dtype=torch.float64, device=device)
+        self.roots: torch.Tensor | None = None
 
-    while rows_host:
-        Ba = len(rows_host)
-        t0 = time.perf_counter()
-        draft = drafter.propose(roots, sampling, generator)
-        t1 = time.perf_counter()
-        N = draft.num_nodes
-        tokens = torch.cat([roots.unsqueeze(1), draft.tokens], 1)  # [Ba, N+1]
-        tout = target.verify(tokens, None if draft.is_chain else draft.parents)
-        probs = process_logits(tout.logits, sampling)  # [Ba, N+1, V]
-        local = torch.arange(Ba, device=device)
-        if draft.is_chain:
-            res = verify_chain(draft.tokens, draft.draft_probs, probs, generator=generator)
-            n, next_tokens, distortion = res.num_accepted, res.next_tokens, res.distortion
-            path = torch.arange(N + 1, device=device).expand(Ba, N + 1)
-        else:
-            tres = verify_tree(rule, draft.tokens, draft.parents, probs, generator=generator)
-            n, next_tokens, distortion, path = tres.num_accepted, tres.next_tokens, tres.distortion, tres.path
-        # Emitted this step: the accepted path's tokens, then the recovered / bonus token.
-        emitted = torch.cat([tokens.gather(1, path[:, 1:]), tokens.new_zeros(Ba, 1)], 1)  # [Ba, N+1]
-        emitted[local, n] = next_tokens
-        j = torch.arange(N + 1, device=device).unsqueeze(0)
-        count = n + 1
-        if eos:
-            hit = torch.isin(emitted, eos_t) & (j < count.unsqueeze(1))
-            first = torch.where(hit.any(1), hit.long().argmax(1), torch.full_like(count, N + 1))
-            count = torch.minimum(count, first + 1)
-        count = torch.minimum(count, max_new_tokens - written_dev)
-        pos = torch.where(j < count.unsqueeze(1), written_dev.unsqueeze(1) + j, torch.full_like(j, trash))
-        out_buf[rows_dev.unsqueeze(1).expand_as(pos), pos] = emitted
-        written_dev = written_dev + count
-        parts = [n, count, written_dev]
-        if eos:
-            parts.append(hit.any(1).long())
-        host = torch.stack(parts).tolist()  # SYNC: the one per step (accepted counts, ends)
-        n_host, count_host, written_host = host[0], host[1], host[2]
-        ended = host[3] if eos else [0] * Ba
-        if distortion is not None:  # summed on the device; read once at the end
-            distortion_sum = distortion_sum + distortion.sum().to(torch.float64)
-        accepted_tokens = torch.where(j[:, :N] < n.unsqueeze(1), emitted[:, :N], torch.full_like(emitted[:, :N], -1))
-        info = CommitInfo(
-            path=path, num_accepted=n, accepted_tokens=accepted_tokens, next_tokens=next_tokens,
-            is_chain=draft.is_chain, num_accepted_list=n_host,
+    def prefill(self, input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter: _Emitter) -> None:
+        tout = self.target.prefill(
+            input_ids, attention_mask, model_inputs, max_new_tokens, self.drafter.max_draft_nodes, features
         )
-        target.commit(info)
-        t2 = time.perf_counter()
-        drafter.commit(info, tout)
-        stats.record_step(n_host, N)
-        for r, c in zip(rows_host, count_host):
-            stats.new_tokens[r] += c
-        roots = next_tokens
-        keep = [i for i in range(Ba) if not ended[i] and written_host[i] < max_new_tokens]
-        t3 = time.perf_counter()
-        stats.draft_seconds += (t1 - t0) + (t3 - t2)
-        stats.verify_seconds += t2 - t1
-        if len(keep) < Ba:
-            drop_finished(keep)
+        self.stats.prefill_calls = 1
+        self.roots = self.rule.sample(process_logits(tout.logits[:, -1], self.sampling), self.generator)
+        t0 = self.timer.mark()
+        self.drafter.prefill(input_ids, attention_mask, tout, model_inputs, max_new_tokens)
+        self.timer.charge("draft", t0, self.timer.mark())
+        keep = emitter.first(self.roots)
+        if len(keep) < input_ids.shape[0]:
+            self._drop(emitter, keep)
 
-    for r in range(B):
-        stats.new_tokens[r] += 1  # the first token, sampled at prefill
-    stats.draft_calls = getattr(drafter, "draft_calls", stats.target_calls)
-    stats.distortion_total = float(distortion_sum)  # SYNC: once, after the loop
-    width = max(stats.new_tokens)
-    stats.total_seconds = time.perf_counter() - t_start
-    return SpecOutput(torch.cat([input_ids, out_buf[:, :width]], 1), stats)
+    def step(self, emitter: _Emitter) -> None:
+        t0 = self.timer.mark()
+        draft: Draft = self.drafter.propose(self.roots, self.sampling, self.generator)
+        t1 = self.timer.mark()
+        tokens = torch.cat([self.roots.unsqueeze(1), draft.tokens], 1)  # [Ba, N+1]
+        tout = self.target.verify(tokens, None if draft.is_chain else draft.parents)
+        probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
+        verdict = verify_draft(self.rule, draft, probs, generator=self.generator)
+        info, n_host, count_host, keep = emitter.emit(tokens, verdict)
+        info.is_chain = draft.is_chain
+        if verdict.distortion is not None:  # summed on the device; read once at the end
+            self.distortion = self.distortion + verdict.distortion.sum().to(torch.float64)
+        self.target.commit(info)
+        t2 = self.timer.mark()
+        self.drafter.commit(info, tout)
+        self.stats.record_step(n_host, draft.num_nodes, count_host)
+        self.roots = verdict.next_tokens
+        if len(keep) < len(n_host):
+            self._drop(emitter, keep)
+        t3 = self.timer.mark()
+        self.timer.charge("draft", t0, t1)
+        self.timer.charge("verify", t1, t2)
+        self.timer.charge("draft", t2, t3)
+
+    def _drop(self, emitter: _Emitter, keep: list[int]) -> None:
+        idx = emitter.select(keep)
+        self.target.select_rows(idx, keep)
+        self.drafter.select_rows(idx, keep)
+        self.roots = self.roots[idx]
+
+    def finish(self, emitter: _Emitter) -> SpecStats:
+        stats = self.stats
+        stats.new_tokens = emitter.new_tokens
+        calls = getattr(self.drafter, "draft_calls", None)
+        stats.draft_calls = calls if isinstance(calls, int) else None  # not reported by this drafter
+        stats.distortion_total = float(self.distortion)  # SYNC: once, after the loop
+        self.timer.charge("total", self.t_start, self.timer.mark())
+        totals = self.timer.totals()
+        stats.draft_seconds = totals.get("draft", 0.0)
+        stats.verify_seconds = totals.get("verify", 0.0)
+        stats.total_seconds = totals.get("total", 0.0)
+        return stats

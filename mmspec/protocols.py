@@ -1,24 +1,24 @@
-"""The three interfaces of the speculative loop: `Target`, `Drafter`, `AcceptanceRule`.
+"""The three interfaces of the speculative loop: `Target`, `Drafter`, `AcceptanceRule`, and
+the checks that enforce them (`check_target`, `check_drafter`, `check_rule`).
 
 One step of `mmspec.speculative_generate` for the B active rows is
 
-    draft  = drafter.propose(roots, sampling, generator)      # Draft: chain or tree
-    out    = target.verify(roots_and_draft, parents)          # ONE forward, [B, N+1, V] logits
-    result = rule.verify(...) / tree walk                     # per-row accepted path
-    target.commit(info); drafter.commit(info, out)            # roll caches back per row
+    draft   = drafter.propose(roots, sampling, generator)      # Draft: chain or tree
+    out     = target.verify(roots_and_draft, parents)          # ONE forward, [B, N+1, V] logits
+    verdict = verify_draft(rule, draft, probs)                 # per-row accepted path
+    target.commit(info); drafter.commit(info, out)             # roll caches back per row
 
 Each component owns its own state (KV caches, image features, CFG halves, Jacobi windows);
-the loop only moves tokens and node indices between them. How the planned families fit
-(see docs/architecture.md):
+the loop only moves tokens and node indices between them. Everything the loop relies on is
+declared here: required members are checked before the first step (a missing one is a
+TypeError naming it); optional capabilities have a documented default.
 
-- HF causal LMs / VLMs: `mmspec.models.HFTarget` (image inputs go to `prefill`).
-- CFG image generators: a Target whose `verify` runs the doubled batch and returns the
-  guided logits; `commit` rolls both halves back with the same path.
-- Jacobi self-drafting: a Drafter that keeps the window and reads the target's logits it is
-  handed in `commit` (the target drafts for itself from the previous forward).
-- EAGLE/ViSpec heads: a Drafter that reads `TargetOutput.hidden_states` in `commit`.
-- Continuous tokens (MAR): same loop shape, with `mmspec.acceptance.ContinuousAcceptance`
-  on Gaussian parameters instead of categorical probabilities.
+How the families plug in (see docs/architecture.md): transformers models through
+`mmspec.models.HFTarget` (a `SpecTarget` over the transformers forward spec); our own models
+(LlamaGen) through their own `mmspec.spec.ForwardSpec`; CFG through `mmspec.GuidedTarget`;
+EAGLE-style heads are drafters declaring a `FeatureRequest`. MAR (masked order, no causal
+cache) does not run in this loop: it has its own loop in `mmspec.pipelines`, reusing
+`mmspec.acceptance.ContinuousAcceptance` and `SpecStats`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,17 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from mmspec.sampling import SamplingConfig
-from mmspec.types import AcceptanceResult, CommitInfo, Draft, TargetOutput
+from mmspec.types import AcceptanceResult, CommitInfo, Draft, FeatureRequest, TargetOutput
 
 
 @runtime_checkable
 class Target(Protocol):
-    """The model whose distribution the output must follow."""
+    """The model whose distribution the output must follow.
+
+    Optional capabilities:
+    - `supports_features: bool` (default False): the target honours a non-empty
+      `FeatureRequest` in `prefill`. A drafter that requests features with a target that does
+      not support them is refused before the first step."""
 
     vocab_size: int
 
@@ -41,16 +46,17 @@ class Target(Protocol):
         self,
         input_ids: torch.Tensor,  # [B, L] left-padded
         attention_mask: torch.Tensor,  # [B, L] 1 = real token
-        model_inputs: dict[str, Any],  # pixel_values, image_grid_thw, ...
+        model_inputs: dict[str, Any],  # pixel_values, image_grid_thw, ... (refuse what you do not use)
         max_new_tokens: int,
         max_draft_nodes: int,
+        features: FeatureRequest,  # what the drafter reads; return exactly this, here and at every verify
     ) -> TargetOutput:  # logits [B, 1, V] at the last prompt position
         ...
 
     def verify(
         self,
         tokens: torch.Tensor,  # [B, N+1] root + draft nodes
-        parents: torch.Tensor,  # [B, N] parent node of each draft node, -1 = root
+        parents: torch.Tensor | None,  # [B, N] parent node of each draft node (-1 = root); None = chain
     ) -> TargetOutput:  # logits [B, N+1, V]
         ...
 
@@ -63,9 +69,15 @@ class Target(Protocol):
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes draft tokens for every active row."""
+    """Proposes draft tokens for every active row.
 
-    max_draft_nodes: int
+    Optional capabilities:
+    - `features: FeatureRequest` (default: none): what the drafter reads from the target's
+      outputs (hidden-state layers, image features, positions).
+    - `draft_calls: int` (default: not reported): drafter forwards so far, for `SpecStats`."""
+
+    vocab_size: int
+    max_draft_nodes: int  # the most nodes `propose` returns (the target reserves cache room)
 
     def prefill(
         self,
@@ -94,7 +106,14 @@ class AcceptanceRule(Protocol):
     """A pure tensor function deciding which draft tokens to keep.
 
     `verify` handles a chain for the whole batch; the per-candidate pieces let the core walk
-    trees sibling by sibling (ALGORITHMS.md section 1, "Trees")."""
+    trees sibling by sibling (docs/algorithms.md, "Trees").
+
+    Optional capabilities:
+    - `verify_unchecked(...)`: `verify` without input validation (no host sync); the loop
+      prefers it since it builds well-formed inputs itself.
+    - `at_temperature_zero() -> AcceptanceRule`: the rule to use for greedy decoding (exact
+      verification of one-hot targets is greedy verification).
+    - `distortion(x, p, q) -> [M]`: total variation a lossy rule moves (reported in stats)."""
 
     lossless: bool
 
@@ -119,3 +138,47 @@ class AcceptanceRule(Protocol):
 
     def sample(self, p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Draw the recovered / bonus token from p [M, V] -> [M]."""
+
+
+_TARGET_REQUIRED = ("vocab_size", "prefill", "verify", "commit", "select_rows")
+_DRAFTER_REQUIRED = ("vocab_size", "max_draft_nodes", "prefill", "propose", "commit", "select_rows")
+_RULE_REQUIRED = ("lossless", "verify", "accept_probability", "residual", "sample")
+
+
+def _missing(obj, names) -> list[str]:
+    return [n for n in names if not hasattr(obj, n)]
+
+
+def is_target(obj) -> bool:
+    return not _missing(obj, _TARGET_REQUIRED)
+
+
+def check_target(target) -> None:
+    missing = _missing(target, _TARGET_REQUIRED)
+    if missing:
+        raise TypeError(f"target {type(target).__name__} does not implement mmspec.Target: it lacks {missing}")
+
+
+def check_drafter(drafter) -> FeatureRequest:
+    """Check the Drafter protocol; returns the drafter's feature request (empty if none)."""
+    missing = _missing(drafter, _DRAFTER_REQUIRED)
+    if missing:
+        raise TypeError(f"drafter {type(drafter).__name__} does not implement mmspec.Drafter: it lacks {missing}")
+    nodes = drafter.max_draft_nodes
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 0:
+        raise TypeError(f"drafter.max_draft_nodes must be an int >= 0, got {nodes!r}")
+    features = getattr(drafter, "features", None)
+    if features is None:
+        return FeatureRequest()
+    if not isinstance(features, FeatureRequest):
+        raise TypeError(f"drafter.features must be an mmspec.FeatureRequest, got {type(features).__name__}")
+    return features
+
+
+def check_rule(rule) -> None:
+    missing = _missing(rule, _RULE_REQUIRED)
+    if missing:
+        raise TypeError(
+            f"acceptance rule {type(rule).__name__} does not verify discrete tokens (it lacks {missing}); "
+            "continuous-token rules (mmspec.acceptance.CONTINUOUS_RULES) run through the MAR pipeline's own loop"
+        )

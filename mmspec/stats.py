@@ -5,6 +5,10 @@ Conventions (vLLM's): `mean_accepted_length` counts tokens emitted per target ve
 Per-position rates: `acceptance_rate_per_position[i]` is P(draft i accepted | drafts
 0..i-1 accepted), `acceptance_cumulative[i]` is P(drafts 0..i all accepted), both over
 row-steps. Counts are per row-step, so a batch of B rows verified once counts B times.
+
+Only *emitted* tokens count: drafts accepted after an EOS or past `max_new_tokens` are cut
+from the output and are not counted as accepted either (`verified_accepted` keeps the
+rule's raw count for diagnostics).
 """
 
 from __future__ import annotations
@@ -16,24 +20,37 @@ from dataclasses import dataclass, field
 class SpecStats:
     target_calls: int = 0  # verify forwards (prefill not included)
     prefill_calls: int = 0
-    draft_calls: int = 0  # drafter forwards (catch-up + drafting)
+    draft_calls: int | None = 0  # drafter forwards (catch-up + drafting); None = not reported by the drafter
     new_tokens: list[int] = field(default_factory=list)  # per input row
     row_steps: int = 0  # sum over steps of active rows
     active_rows: list[int] = field(default_factory=list)  # [step]: rows verified in that step
     accepted_drafts: int = 0  # sum over row-steps of accepted draft tokens
     drafted_nodes: int = 0  # sum over row-steps of draft nodes proposed
     accept_counts: list[int] = field(default_factory=list)  # [i]: row-steps with >= i+1 accepted
+    emitted_tokens: int = 0  # sum over row-steps of tokens emitted (accepted drafts + bonus/recovered)
+    verified_accepted: int = 0  # sum over row-steps of drafts the rule accepted, emitted or not
+    nodes_per_step: list[int] = field(default_factory=list)  # [step]: draft nodes proposed per row
+    lossless: bool = True  # whether the acceptance rule was lossless
+    kernels: str = ""  # how the models' linear layers ran (e.g. "prepacked", "stock")
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     distortion_total: float = 0.0  # summed total variation of lossy rules (0 for exact rules)
 
-    def record_step(self, num_accepted: list[int], num_nodes: int) -> None:
+    def record_step(self, num_accepted: list[int], num_nodes: int, emitted: list[int] | None = None) -> None:
+        """One verify step: the rule's accepted counts per row, the nodes drafted per row and
+        the tokens each row actually emitted (default: accepted + 1)."""
+        if emitted is None:
+            emitted = [n + 1 for n in num_accepted]
         self.target_calls += 1
         self.row_steps += len(num_accepted)
         self.active_rows.append(len(num_accepted))
+        self.nodes_per_step.append(num_nodes)
         self.drafted_nodes += num_nodes * len(num_accepted)
-        for n in num_accepted:
+        for n_raw, c in zip(num_accepted, emitted):
+            n = min(n_raw, c)  # drafts cut by EOS / max_new_tokens were not emitted
+            self.verified_accepted += n_raw
+            self.emitted_tokens += c
             self.accepted_drafts += n
             if n > len(self.accept_counts):
                 self.accept_counts.extend([0] * (n - len(self.accept_counts)))
@@ -43,7 +60,7 @@ class SpecStats:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per row per target call, bonus token included."""
-        return (self.accepted_drafts + self.row_steps) / self.row_steps if self.row_steps else 0.0
+        return self.emitted_tokens / self.row_steps if self.row_steps else 0.0
 
     @property
     def mean_accepted_drafts(self) -> float:
@@ -79,4 +96,6 @@ class SpecStats:
             f"{self.draft_calls}; mean accepted length {self.mean_accepted_length:.2f} "
             f"(drafts {self.mean_accepted_drafts:.2f}); per-position acceptance [{rates}]; "
             f"draft {self.draft_seconds:.2f}s / verify {self.verify_seconds:.2f}s"
+            + ("" if self.lossless else f"; lossy rule: distortion {self.distortion_total:.3f} total, "
+               f"{self.mean_distortion:.4f} per row-step")
         )

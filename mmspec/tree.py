@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.types import TreeAcceptance
+from mmspec.types import Draft, Verdict
 
 
 def chain_parents(batch: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -56,7 +56,7 @@ def verify_tree(
     target_probs: torch.Tensor,  # [B, N+1, V], position 0 = root
     *,
     generator: torch.Generator | None = None,
-) -> TreeAcceptance:
+) -> Verdict:
     """Walk the tree with `rule`; returns the accepted path of verify positions."""
     B, N = draft_tokens.shape
     if tuple(parents.shape) != (B, N):
@@ -97,4 +97,24 @@ def verify_tree(
     width = torch.arange(N + 1, device=device).unsqueeze(0)
     last = path[rows, num_accepted].unsqueeze(1)
     path = torch.where(width <= num_accepted.unsqueeze(1), path, last)
-    return TreeAcceptance(path=path, num_accepted=num_accepted, next_tokens=next_tokens, distortion=distortion)
+    return Verdict(path=path, num_accepted=num_accepted, next_tokens=next_tokens, distortion=distortion)
+
+
+def verify_draft(
+    rule,
+    draft: Draft,
+    target_probs: torch.Tensor,  # [B, N+1, V] processed target distributions, position 0 = root
+    *,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """One verdict type for chains and trees: a chain goes through the rule's vectorised
+    `verify` (its path is `arange`), a tree through `verify_tree`. Inside the loop the inputs
+    are well formed, so a rule's optional `verify_unchecked` (no validation, no host sync) is
+    used when it has one (see `mmspec.protocols.AcceptanceRule`)."""
+    if not draft.is_chain:
+        return verify_tree(rule, draft.tokens, draft.parents, target_probs, generator=generator)
+    B, N = draft.tokens.shape
+    chain_verify = getattr(rule, "verify_unchecked", None) or rule.verify
+    res = chain_verify(draft.tokens, draft.draft_probs, target_probs, generator=generator)
+    path = torch.arange(N + 1, device=draft.tokens.device).expand(B, N + 1)
+    return Verdict(path=path, num_accepted=res.num_accepted, next_tokens=res.next_tokens, distortion=res.distortion)

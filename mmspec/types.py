@@ -58,12 +58,53 @@ class Draft:
         return self.tokens.shape[1]
 
 
+@dataclass(frozen=True)
+class FeatureRequest:
+    """What a drafter reads from the target besides logits. The target computes exactly this,
+    at prefill and at every verify (for CFG targets: per half), and nothing more.
+
+    `hidden_layers` are decoder-layer indices (0-based, output of that layer before the final
+    norm; negative counts from the end); `last_hidden` is the final normed hidden state (the
+    LM head's input); `image_features` the projected image features at prefill (VLMs);
+    `positions` the model positions of the verified tokens."""
+
+    hidden_layers: tuple[int, ...] = ()
+    last_hidden: bool = False
+    image_features: bool = False
+    positions: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hidden_layers, tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in self.hidden_layers
+        ):
+            raise TypeError(f"FeatureRequest.hidden_layers must be a tuple of ints, got {self.hidden_layers!r}")
+        for name in ("last_hidden", "image_features", "positions"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FeatureRequest.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def __or__(self, other: "FeatureRequest") -> "FeatureRequest":
+        return FeatureRequest(
+            hidden_layers=tuple(sorted(set(self.hidden_layers) | set(other.hidden_layers))),
+            last_hidden=self.last_hidden or other.last_hidden,
+            image_features=self.image_features or other.image_features,
+            positions=self.positions or other.positions,
+        )
+
+    @property
+    def empty(self) -> bool:
+        return not (self.hidden_layers or self.last_hidden or self.image_features or self.positions)
+
+
 @dataclass
 class TargetOutput:
-    """One target forward over [root] + draft nodes."""
+    """One target forward over [root] + draft nodes (or the prompt, at prefill)."""
 
-    logits: torch.Tensor  # [B, N+1, V] processed-ready logits (CFG already applied)
-    hidden_states: torch.Tensor | None = None  # [B, N+1, H] last hidden state, for EAGLE-style drafters
+    logits: torch.Tensor  # [B, N+1, V] processed-ready logits (CFG already applied); [B, 1, V] at prefill
+    hidden_states: torch.Tensor | None = None  # [B, N+1, H] final hidden state (FeatureRequest.last_hidden)
+    layer_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [B, N+1, H]
+    image_features: torch.Tensor | None = None  # [B, I, H] at prefill (FeatureRequest.image_features)
+    positions: torch.Tensor | None = None  # model positions of the tokens ([B, Q] or [3, B, Q])
+    uncond: "TargetOutput | None" = None  # CFG targets: the same features for the unconditional half
 
 
 @dataclass
@@ -78,16 +119,20 @@ class AcceptanceResult:
 
 
 @dataclass
-class TreeAcceptance:
-    """Per-row outcome of verifying a tree: the accepted path as verify positions.
+class Verdict:
+    """Per-row outcome of verifying a step's draft, for chains and trees alike: the accepted
+    path as verify positions (a chain's path is `arange`).
 
     `path[b, :num_accepted[b] + 1]` are verify positions (0 = root) of the kept tokens; the
     rest is padded with the last valid position."""
 
-    path: torch.Tensor  # [B, D+1] long, verify positions, path[:, 0] == 0
+    path: torch.Tensor  # [B, N+1] long, verify positions, path[:, 0] == 0
     num_accepted: torch.Tensor  # [B] long
     next_tokens: torch.Tensor  # [B] long
     distortion: torch.Tensor | None = None  # [B] float
+
+
+TreeAcceptance = Verdict  # the name used before chains and trees shared one verdict type
 
 
 @dataclass
@@ -98,5 +143,12 @@ class CommitInfo:
     num_accepted: torch.Tensor  # [B] long
     accepted_tokens: torch.Tensor  # [B, D] long, padded with -1 past num_accepted
     next_tokens: torch.Tensor  # [B] long: the new root
+    num_accepted_list: list[int]  # [B] host copy of num_accepted (the step's one sync); required
     is_chain: bool = True  # chains keep a prefix of the verified tokens: no compaction needed
-    num_accepted_list: list[int] = field(default_factory=list)  # host copy (the step's one sync)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_accepted_list, list) or len(self.num_accepted_list) != self.num_accepted.shape[0]:
+            raise ValueError(
+                "CommitInfo.num_accepted_list must be a host list with one count per active row "
+                f"({self.num_accepted.shape[0]}), got {self.num_accepted_list!r}"
+            )

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from mmspec.acceptance import ContinuousAcceptance, get_rule
+from mmspec.acceptance import ContinuousAcceptance, get_continuous_rule, get_rule
 
 P_MIN = 1e-3
 
@@ -168,4 +168,6 @@ def test_invalid_inputs_name_the_argument():
         rule.verify(x, dm.clone().fill_(float("nan")), ds, tm, ts)
     with pytest.raises(ValueError, match="max_tries"):
         ContinuousAcceptance(max_tries=0)
-    assert isinstance(get_rule("continuous", max_tries=8), ContinuousAcceptance)
+    assert isinstance(get_continuous_rule("continuous", max_tries=8), ContinuousAcceptance)
+    with pytest.raises(ValueError, match="MAR pipeline"):
+        get_rule("continuous")  # not a discrete rule: its own registry

@@ -11,6 +11,7 @@ import torch
 
 import mmspec.acceptance as acceptance
 from mmspec.acceptance import (
+    CONTINUOUS_RULES,
     RULES,
     ClusterExactAcceptance,
     ContinuousAcceptance,
@@ -152,12 +153,12 @@ def test_k_zero_draws_the_bonus():
 
 
 def test_registry_names_and_get_rule():
-    assert {"greedy", "exact", "typical", "lantern", "gsd", "continuous"} <= set(RULES)
+    assert {"greedy", "exact", "typical", "lantern", "gsd", "cluster_exact"} <= set(RULES)
+    assert "continuous" not in RULES and CONTINUOUS_RULES["continuous"] is ContinuousAcceptance
     cb = torch.randn(10, 2)
     assert isinstance(get_rule("lantern", codebook=cb, k=3, lam=5.0), LanternAcceptance)
     assert isinstance(get_rule("gsd", embeddings=cb), GroupedAcceptance)
     assert isinstance(get_rule("typical"), TypicalAcceptance)
-    assert isinstance(get_rule("continuous"), ContinuousAcceptance)
     assert isinstance(get_rule("cluster_exact", labels=torch.arange(10) % 3), ClusterExactAcceptance)
     with pytest.raises(ValueError, match="acceptance"):
         get_rule("nope")

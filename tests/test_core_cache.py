@@ -12,13 +12,12 @@ from conftest import left_padded
 
 
 def committed_kv(target: HFTarget, layer: int = 0):
-    r = target.runner
-    L = r.prompt_slots
+    r = target.runner.kv
     out = []
     for b in range(r.length.shape[0]):
         keep = r.prefix_valid[b, : r.length_host[b]].clone()
         idx = keep.nonzero().squeeze(1)
-        out.append((r.cache.layers[layer].keys[b][:, idx], r.cache.layers[layer].values[b][:, idx]))
+        out.append((r.keys[layer][b][:, idx], r.values[layer][b][:, idx]))
     return out
 
 
@@ -41,7 +40,7 @@ def test_tree_commit_equals_fresh_prefill(target):
         kept = tokens[b, path[b, : n[b] + 1]]
         row_ids = torch.cat([ids[b][mask[b].bool()], kept]).unsqueeze(0)
         fresh.prefill(row_ids, torch.ones_like(row_ids), {}, max_new_tokens=1, max_draft_nodes=0)
-        k_ref = fresh.runner.cache.layers[1].keys[0, :, : row_ids.shape[1]]
+        k_ref = fresh.runner.kv.keys[1][0, :, : row_ids.shape[1]]
         k_got = committed_kv(t, layer=1)[b][0]
         assert k_got.shape == k_ref.shape
         torch.testing.assert_close(k_got, k_ref, rtol=1e-10, atol=1e-10)

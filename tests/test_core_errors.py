@@ -105,8 +105,12 @@ def test_degenerate_residual_never_nan():
 
 
 def test_continuous_rule_is_refused_for_discrete_tokens(pair):
-    with pytest.raises(TypeError, match="discrete"):
+    with pytest.raises(ValueError, match="continuous tokens"):
         run(pair, acceptance="continuous")
+    from mmspec.acceptance import ContinuousAcceptance
+
+    with pytest.raises(TypeError, match="discrete"):
+        run(pair, acceptance=ContinuousAcceptance())
 
 
 def test_mrope_models_are_refused_by_the_generic_adapter():

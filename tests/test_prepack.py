@@ -89,7 +89,7 @@ def test_packed_greedy_equals_plain_generate(llama32):
     top2 = torch.stack(ref.scores, 1).topk(2, -1).values
     assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-3
     target = HFTarget(llama32, prepack=True)
-    assert isinstance(target.runner.model.lm_head, PackedLinear)
+    assert isinstance(target.runner.spec.model.lm_head, PackedLinear)
     for draft_model, tree in ((drafter, None), (drafter, mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6))):
         d = ModelDrafter(draft_model, 3, tree, prepack=True)
         out = mmspec.speculative_generate(target, d, ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)

@@ -7,7 +7,7 @@ import importlib
 
 _LAZY = {
     "HFTarget": "mmspec.models.hf_target",
-    "HFRunner": "mmspec.models.hf_cache",
+    "HFSpec": "mmspec.models.hf_spec",
     "RaggedCache": "mmspec.models.hf_cache",
     "LlamaGenVQ": "mmspec.models.llamagen_tokenizer", "VQConfig": "mmspec.models.llamagen_tokenizer",
 }

@@ -1,0 +1,164 @@
+"""`GuidedTarget`: classifier-free guidance (CFG) as a wrapper around any `mmspec.Target`.
+
+The inner target holds a doubled batch: rows `[0, B)` are the conditional prompts, rows
+`[B, 2B)` the unconditional ones. Both halves verify the same draft tokens in the same
+forward, the guided logits `uncond + s * (cond - uncond)` (Ho & Salimans 2022; the form used
+by LlamaGen and Janus) are what the loop sees, so temperature / top-k / top-p apply *after*
+guidance, exactly as in the models' own samplers. `commit` and `select_rows` are mirrored to
+both halves, so the halves roll back together and leave the batch together.
+
+`guidance_scale` is a number or a schedule: a callable mapping the index of the token being
+predicted (`[B, Q]` long, 0 = the first new token) to the scale (`[B, Q]` float or a number),
+which covers LlamaGen's constant and linear CFG schedules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mmspec.types import CommitInfo, FeatureRequest, TargetOutput
+
+UncondBuilder = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+def _left_pad(ids: torch.Tensor, mask: torch.Tensor, length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    extra = length - ids.shape[1]
+    if extra == 0:
+        return ids, mask
+    return (
+        torch.cat([ids.new_full((ids.shape[0], extra), pad_id), ids], 1),
+        torch.cat([mask.new_zeros(mask.shape[0], extra), mask], 1),
+    )
+
+
+class GuidedTarget:
+    """CFG over `target`. The unconditional prompts come from `uncond_input_ids` /
+    `uncond_attention_mask` (one row per conditional row, left-padded) or from
+    `make_uncond(input_ids, attention_mask, model_inputs) -> (ids, mask, model_inputs)`
+    (e.g. LlamaGen: the null class). Tensor model inputs with a batch dimension are
+    concatenated [cond; uncond] (by default the uncond half reuses the cond inputs)."""
+
+    def __init__(
+        self,
+        target,
+        guidance_scale: float | Callable[[torch.Tensor], Any],
+        *,
+        uncond_input_ids: torch.Tensor | None = None,
+        uncond_attention_mask: torch.Tensor | None = None,
+        make_uncond: UncondBuilder | None = None,
+        pad_token_id: int = 0,
+    ):
+        from mmspec.engine import as_target  # the engine wraps bare HF models the same way
+
+        if (uncond_input_ids is None) == (make_uncond is None):
+            raise ValueError("GuidedTarget needs exactly one of uncond_input_ids or make_uncond")
+        if callable(guidance_scale):
+            self.schedule = guidance_scale
+        else:
+            if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not math.isfinite(
+                guidance_scale
+            ):
+                raise ValueError(f"guidance_scale must be a finite number or a schedule callable, got {guidance_scale!r}")
+            scale = float(guidance_scale)
+            self.schedule = lambda index: scale
+        self.target = as_target(target)
+        self.vocab_size = self.target.vocab_size
+        self.supports_features = getattr(self.target, "supports_features", False)
+        self.uncond_input_ids = uncond_input_ids
+        self.uncond_attention_mask = uncond_attention_mask
+        self.make_uncond = make_uncond
+        self.pad_token_id = pad_token_id
+        self.generated: torch.Tensor | None = None  # [B] tokens emitted so far per row (root included)
+
+    # ---- guidance ------------------------------------------------------------------------------
+    def _guide(self, out: TargetOutput, index: torch.Tensor) -> TargetOutput:
+        B = out.logits.shape[0] // 2
+        cond, uncond = out.logits[:B], out.logits[B:]
+        scale = self.schedule(index)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(cond.dtype).unsqueeze(-1)  # [B, Q, 1]
+        guided = uncond + scale * (cond - uncond)
+
+        def half(sl) -> TargetOutput:
+            return TargetOutput(
+                logits=out.logits[sl],
+                hidden_states=None if out.hidden_states is None else out.hidden_states[sl],
+                layer_states={i: h[sl] for i, h in out.layer_states.items()},
+                image_features=None if out.image_features is None else out.image_features[sl],
+                positions=None if out.positions is None else out.positions[..., sl, :],
+            )
+
+        result = half(slice(0, B))
+        result.logits = guided
+        result.uncond = half(slice(B, 2 * B))
+        return result
+
+    # ---- Target protocol ------------------------------------------------------------------------
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        model_inputs: dict[str, Any],
+        max_new_tokens: int,
+        max_draft_nodes: int,
+        features: FeatureRequest = FeatureRequest(),
+    ) -> TargetOutput:
+        B = input_ids.shape[0]
+        if self.make_uncond is not None:
+            u_ids, u_mask, u_inputs = self.make_uncond(input_ids, attention_mask, model_inputs)
+        else:
+            u_ids = self.uncond_input_ids.to(input_ids.device)
+            u_mask = torch.ones_like(u_ids) if self.uncond_attention_mask is None else self.uncond_attention_mask
+            u_inputs = model_inputs
+        if u_ids.dim() != 2 or u_ids.shape[0] != B:
+            raise ValueError(f"unconditional prompts must be [B={B}, L'] (one per row), got {tuple(u_ids.shape)}")
+        L = max(input_ids.shape[1], u_ids.shape[1])
+        c_ids, c_mask = _left_pad(input_ids, attention_mask, L, self.pad_token_id)
+        u_ids, u_mask = _left_pad(u_ids, u_mask.to(attention_mask.dtype), L, self.pad_token_id)
+        inputs = {}
+        for name, value in model_inputs.items():
+            other = u_inputs.get(name, value)
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == B:
+                inputs[name] = torch.cat([value, other], 0)
+            else:
+                raise ValueError(
+                    f"model input {name!r} has no batch dimension of size {B}; GuidedTarget cannot split it into "
+                    "conditional and unconditional halves"
+                )
+        out = self.target.prefill(
+            torch.cat([c_ids, u_ids]), torch.cat([c_mask, u_mask]), inputs, max_new_tokens, max_draft_nodes, features
+        )
+        self.generated = torch.ones(B, dtype=torch.long, device=input_ids.device)
+        return self._guide(out, torch.zeros(B, 1, dtype=torch.long, device=input_ids.device))
+
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> TargetOutput:
+        from mmspec.spec_target import tree_visibility
+
+        B, Q = tokens.shape
+        doubled_parents = None if parents is None else torch.cat([parents, parents])
+        out = self.target.verify(torch.cat([tokens, tokens]), doubled_parents)
+        _, depth = tree_visibility(parents, B, Q, tokens.device)
+        # The root is emitted token `generated - 1`; position j (depth d) predicts token `generated + d`.
+        return self._guide(out, self.generated.unsqueeze(1) + depth)
+
+    def commit(self, info: CommitInfo) -> None:
+        self.target.commit(
+            CommitInfo(
+                path=torch.cat([info.path, info.path]),
+                num_accepted=torch.cat([info.num_accepted, info.num_accepted]),
+                accepted_tokens=torch.cat([info.accepted_tokens, info.accepted_tokens]),
+                next_tokens=torch.cat([info.next_tokens, info.next_tokens]),
+                num_accepted_list=info.num_accepted_list + info.num_accepted_list,
+                is_chain=info.is_chain,
+            )
+        )
+        self.generated = self.generated + info.num_accepted + 1
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        B = self.generated.shape[0]
+        self.target.select_rows(torch.cat([rows, rows + B]), rows_host + [r + B for r in rows_host])
+        self.generated = self.generated.index_select(0, rows)

@@ -1,0 +1,189 @@
+"""`HFSpec`: the forward spec of any transformers causal LM or VLM with an LM head.
+
+The spec runs the model's *own* forward (so that every family's embedding scale, logit
+soft-capping, image merging and mask rules apply exactly) over a `RaggedCache`, and exposes
+the pieces other components share: `embed` (the input embeddings), `head` (the output
+embeddings), `positions` (1-D logical positions; Qwen2-VL's spec derives M-RoPE from them).
+
+- Prefill passes the prompt's 2-D attention mask: transformers builds its own causal mask
+  (fused causal kernels where the model allows; sliding windows; prefix-LM masks from
+  `token_type_ids`), exactly as its `generate` does.
+- Verify passes a 4-D additive float mask (tree attention over the ragged cache), built per
+  attention type: a sliding-window layer sees only the last `sliding_window` positions.
+- Drafter features (`FeatureRequest`) are captured with temporary forward hooks: the base
+  model's output (final hidden state, image features) and chosen decoder layers. Nothing else
+  is kept (no `output_hidden_states=True`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from mmspec.models.hf_cache import RaggedCache
+from mmspec.ragged import Attention, RaggedKV
+from mmspec.spec import ForwardSpec, SpecOutput
+from mmspec.types import FeatureRequest
+
+
+def text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def text_vocab_size(model) -> int:
+    return int(text_config(model).vocab_size)
+
+
+def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList | None:
+    """The decoder-layer list of the (language) model: the first ModuleList of the right length
+    under `get_decoder()` (which is the language model for VLMs)."""
+    root = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for module in root.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    return None
+
+
+class HFSpec(ForwardSpec):
+    """Forward spec of a `transformers.PreTrainedModel` with an LM head (`model` may be
+    mmspec's prepacked view of it; `source` is the user's model, for introspection)."""
+
+    def __init__(self, model, source=None):
+        self.model = model
+        source = source if source is not None else model
+        config = text_config(source)
+        self.num_layers = int(config.num_hidden_layers)
+        self.vocab_size = int(config.vocab_size)
+        self.dtype = next(source.parameters()).dtype
+        self.forward_params = set(inspect.signature(source.forward).parameters)
+        self._windows = _window_plan(config, source)
+        self._prefill_inputs: dict[str, Any] = {}
+        self._cache: RaggedCache | None = None
+
+    # ---- pieces shared with drafters -----------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    # ---- per request ---------------------------------------------------------------------------
+    def begin(self, input_ids, attention_mask, model_inputs: dict[str, Any]) -> None:
+        unknown = sorted(k for k in model_inputs if k not in self.forward_params)
+        if unknown:
+            raise ValueError(
+                f"{type(self.model).__name__}.forward takes no argument(s) {unknown}; remove them (misspelt generation "
+                "options such as 'temprature' land here too: the speculative options are keyword arguments of "
+                "speculative_generate)"
+            )
+        reserved = sorted(set(model_inputs) & _RESERVED)
+        if reserved:
+            raise ValueError(f"model inputs {reserved} are managed by mmspec's loop; do not pass them")
+
+    # ---- forwards -----------------------------------------------------------------------------------
+    def prefill(self, input_ids, attention: Attention, kv: RaggedKV, model_inputs, features) -> SpecOutput:
+        mask = attention.key_padding.long()
+        return self._run(input_ids, mask, attention.q_pos, kv, features, keep=1, model_inputs=model_inputs)
+
+    def forward(self, tokens, attention: Attention, kv: RaggedKV, features, *, last_only=False) -> SpecOutput:
+        neg = torch.finfo(self.dtype).min
+
+        def additive(window):
+            vis = attention.dense(window)
+            return torch.zeros(vis.shape, dtype=self.dtype, device=vis.device).masked_fill(~vis, neg).unsqueeze(1)
+
+        if self._windows is None:
+            mask = additive(None)
+        elif isinstance(self._windows, dict):
+            mask = {kind: additive(w) for kind, w in self._windows.items()}
+        else:
+            mask = additive(self._windows)
+        return self._run(tokens, mask, attention.q_pos, kv, features, keep=1 if last_only else 0, model_inputs={})
+
+    def _run(self, input_ids, mask, positions, kv, features: FeatureRequest, *, keep, model_inputs) -> SpecOutput:
+        if self._cache is None or self._cache.store is not kv:
+            self._cache = RaggedCache(kv)
+        captured: dict[Any, torch.Tensor] = {}
+        handles = self._hooks(features, captured) if not features.empty else []
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=keep,
+                **model_inputs,
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise TypeError(f"{type(self.model).__name__} returned no logits; the target needs a model with an LM head")
+        return SpecOutput(
+            logits=logits,
+            hidden=captured.get("last"),
+            layers={i: captured[i] for i in features.hidden_layers if i in captured},
+            image_features=captured.get("image"),
+            positions=positions if features.positions else None,
+        )
+
+    def _hooks(self, features: FeatureRequest, captured: dict) -> list:
+        handles = []
+        if features.last_hidden or features.image_features:
+
+            def base_hook(module, args, output):
+                hidden = getattr(output, "last_hidden_state", None)
+                if hidden is None and isinstance(output, tuple):
+                    hidden = output[0]
+                captured["last"] = hidden
+                image = getattr(output, "image_hidden_states", None)
+                if image is not None:
+                    captured["image"] = image
+
+            handles.append(self.model.base_model.register_forward_hook(base_hook))
+        if features.hidden_layers:
+            layers = _decoder_layers(self.model, self.num_layers)
+            if layers is None:
+                raise ValueError(f"cannot find the decoder layers of {type(self.model).__name__} to read hidden_layers")
+            for i in features.hidden_layers:
+                if not -self.num_layers <= i < self.num_layers:
+                    raise ValueError(f"hidden layer {i} out of range for a {self.num_layers}-layer model")
+
+                def layer_hook(module, args, output, i=i):
+                    captured[i] = output[0] if isinstance(output, tuple) else output
+
+                handles.append(layers[i].register_forward_hook(layer_hook))
+        return handles
+
+
+_RESERVED = {"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+             "cache_position", "inputs_embeds"}
+
+
+def _window_plan(config, model):
+    """How verify masks honour sliding windows: None (no window), an int (every layer slides),
+    or {attention type: window or None} for models that alternate layer types and take a mask
+    per type (transformers' `layer_types`)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        if "sliding_attention" not in kinds or window is None:
+            return None
+        unknown = kinds - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(
+                f"{type(model).__name__} uses attention types {sorted(unknown)} that mmspec cannot mask exactly; "
+                "it is not supported as a target or drafter"
+            )
+        return {kind: (window if kind == "sliding_attention" else None) for kind in kinds}
+    if window is None:
+        return None
+    # No per-layer types: the model applies `sliding_window` to every layer when its forward
+    # builds a sliding-window mask (Mistral, Phi-3); otherwise the field is unused.
+    source = inspect.getsource(type(model.get_decoder() if hasattr(model, "get_decoder") else model))
+    return int(window) if "create_sliding_window_causal_mask" in source else None

@@ -1,0 +1,143 @@
+"""Forward specs: how a model plugs into the ragged KV store, and `SpecRunner`, which drives one.
+
+The core never calls a model directly. A model supplies a small *forward spec*:
+
+- `embed(tokens) -> [B, Q, H]`                      token (or image-token) embedding
+- `positions(logical) -> positions`                 1-D for Llama, `(3, B, Q)` M-RoPE for
+                                                    Qwen2-VL, a 2-D RoPE table index for LlamaGen
+- `backbone(x, positions, attention, kv, features)` the transformer over the ragged cache
+- `head(hidden) -> logits`                          `lm_head`, Janus' `generation_head`, ...
+- `begin(input_ids, attention_mask, model_inputs)`  per-request state (e.g. `rope_deltas`),
+  `select_rows(rows)` which keeps that state in step with the batch.
+
+`ForwardSpec.forward` composes them; a spec may override `prefill` / `forward` as a whole when
+its model's own forward must run (the transformers spec does, so that every family's own
+embedding scale, logit soft-capping and image merging apply exactly). `SpecRunner` owns the
+`RaggedKV` store and turns (tokens, tree depth, tree visibility) into one spec forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmspec.ragged import Attention, RaggedKV
+from mmspec.types import FeatureRequest
+
+
+@dataclass
+class SpecOutput:
+    """What one spec forward returns (before the target turns it into a `TargetOutput`)."""
+
+    logits: torch.Tensor  # [B, Q', V] (Q' = 1 at prefill: the last prompt position)
+    hidden: torch.Tensor | None = None  # [B, Q, H] final (normed) hidden state, when requested
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [B, Q, H]
+    image_features: torch.Tensor | None = None  # [B, I, H] (prefill only), when requested
+    positions: torch.Tensor | None = None  # model positions of the Q tokens, when requested
+
+
+class ForwardSpec:
+    """Base class of forward specs. Subclasses set `num_layers`, `vocab_size`, `dtype` and
+    implement `embed`, `positions`, `backbone`, `head` (or override `forward`/`prefill`)."""
+
+    num_layers: int
+    vocab_size: int
+    dtype: torch.dtype
+
+    # ---- per request -----------------------------------------------------------------------
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
+        """Start a request. Refuse (ValueError naming it) any model input the spec does not use."""
+        if model_inputs:
+            raise ValueError(
+                f"{type(self).__name__} takes no extra model inputs, got {sorted(model_inputs)}; remove them or use "
+                "a target whose spec consumes them"
+            )
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep per-row state in step with the batch (default: none)."""
+
+    # ---- the pieces --------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def positions(self, logical: torch.Tensor) -> torch.Tensor:
+        """logical [B, Q] (prompt-relative, padding excluded) -> what the backbone takes."""
+        return logical
+
+    def backbone(
+        self, x: torch.Tensor, positions: torch.Tensor, attention: Attention, kv: RaggedKV, features: FeatureRequest
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- composed forwards ---------------------------------------------------------------------
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [B, L]
+        attention: Attention,
+        kv: RaggedKV,
+        model_inputs: dict[str, Any],
+        features: FeatureRequest,
+    ) -> SpecOutput:
+        return self.forward(input_ids, attention, kv, features, last_only=True)
+
+    def forward(
+        self, tokens: torch.Tensor, attention: Attention, kv: RaggedKV, features: FeatureRequest, *, last_only=False
+    ) -> SpecOutput:
+        pos = self.positions(attention.q_pos)
+        hidden, layers = self.backbone(self.embed(tokens), pos, attention, kv, features)
+        logits = self.head(hidden[:, -1:] if last_only else hidden)
+        return SpecOutput(
+            logits=logits,
+            hidden=hidden if features.last_hidden else None,
+            layers=layers,
+            positions=pos if features.positions else None,
+        )
+
+
+class SpecRunner:
+    """Drives one forward spec over a `RaggedKV` store (used by targets and model drafters)."""
+
+    def __init__(self, spec: ForwardSpec):
+        self.spec = spec
+        self.kv: RaggedKV | None = None
+        self.features = FeatureRequest()
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,  # [B, L] left-padded
+        attention_mask: torch.Tensor,  # [B, L]
+        max_slots: int,
+        model_inputs: dict[str, Any],
+        features: FeatureRequest | None = None,
+    ) -> SpecOutput:
+        self.features = features if features is not None else FeatureRequest()
+        self.spec.begin(input_ids, attention_mask, model_inputs)
+        self.kv = RaggedKV(self.spec.num_layers, attention_mask, max_slots)
+        attention = self.kv.plan_prefill(attention_mask)
+        out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
+        self.kv.scrub_padding()
+        return out
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, Q]
+        depth: torch.Tensor,  # [B, Q] logical offset from the next committed position
+        tree_visible: torch.Tensor,  # [B, Q, T+Q] bool over the uncommitted region
+        uncommitted: int,  # T (host int)
+        *,
+        last_only: bool = False,
+    ) -> SpecOutput:
+        attention = self.kv.plan(depth, tree_visible, uncommitted)
+        return self.spec.forward(tokens, attention, self.kv, self.features, last_only=last_only)
+
+    def advance(self, counts: torch.Tensor, counts_host: list[int], path: torch.Tensor | None = None) -> None:
+        self.kv.advance(counts, counts_host, path)
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        self.kv.select_rows(rows, rows_host)
+        self.spec.select_rows(rows)

@@ -1,0 +1,78 @@
+"""`SpecTarget`: any forward spec as an `mmspec.Target`.
+
+The prompt is prefilled once into the spec's ragged cache; every step verifies [root] +
+draft nodes in one forward with tree attention (chains: causal); commit keeps the root and
+the accepted path (trees are compacted). transformers models get `mmspec.models.HFTarget`
+(this class over `HFSpec`); mmspec's own models (LlamaGen) pass their own spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmspec.spec import ForwardSpec, SpecOutput, SpecRunner
+from mmspec.tree import ancestors, depths
+from mmspec.types import CommitInfo, FeatureRequest, TargetOutput
+
+
+def chain_visibility(batch: int, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal visibility [B, Q, Q] and depth [B, Q] of a chain of Q tokens."""
+    vis = torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(batch, q, q)
+    depth = torch.arange(q, device=device).expand(batch, q)
+    return vis, depth
+
+
+def tree_visibility(parents: torch.Tensor | None, batch: int, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Visibility [B, Q, Q] and depth [B, Q] of [root] + nodes (parents None = chain)."""
+    if parents is None:
+        return chain_visibility(batch, q, device)
+    vis = ancestors(parents)
+    return vis, depths(vis)
+
+
+def as_target_output(out: SpecOutput) -> TargetOutput:
+    return TargetOutput(
+        logits=out.logits,
+        hidden_states=out.hidden,
+        layer_states=out.layers,
+        image_features=out.image_features,
+        positions=out.positions,
+    )
+
+
+class SpecTarget:
+    """A `Target` over a `ForwardSpec` and the ragged cache."""
+
+    supports_features = True
+
+    def __init__(self, spec: ForwardSpec):
+        self.spec = spec
+        self.vocab_size = spec.vocab_size
+        self.runner = SpecRunner(spec)
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        model_inputs: dict[str, Any],
+        max_new_tokens: int,
+        max_draft_nodes: int,
+        features: FeatureRequest = FeatureRequest(),
+    ) -> TargetOutput:
+        slots = input_ids.shape[1] + max_new_tokens + max_draft_nodes + 2
+        return as_target_output(self.runner.prefill(input_ids, attention_mask, slots, model_inputs, features))
+
+    def verify(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> TargetOutput:
+        B, Q = tokens.shape
+        vis, depth = tree_visibility(parents, B, Q, tokens.device)
+        return as_target_output(self.runner.forward(tokens, depth, vis, 0))
+
+    def commit(self, info: CommitInfo) -> None:
+        counts = info.num_accepted + 1  # root + accepted nodes
+        counts_host = [n + 1 for n in info.num_accepted_list]
+        self.runner.advance(counts, counts_host, None if info.is_chain else info.path)
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        self.runner.select_rows(rows, rows_host)
