@@ -1,6 +1,6 @@
 """Shared chain verification for discrete acceptance rules.
 
-A discrete rule is fully described by three per-candidate pieces (ALGORITHMS.md section 1,
+A discrete rule is fully described by three per-candidate pieces (docs/algorithms.md section 1,
 "a unifying view"): the probability `alpha(x)` of accepting candidate x given the target
 distribution p and the draft distribution q, the distribution to continue with after a
 rejection, and how the final (recovered / bonus) token is drawn. `ChainRule.verify` runs

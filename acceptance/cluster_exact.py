@@ -1,5 +1,5 @@
 """Cluster-exact speculative sampling over static, disjoint token clusters (the GSD variant
-suggested in ALGORITHMS.md section 3; GSD: So et al., arXiv 2508.07747,
+suggested in docs/algorithms.md section 3; GSD: So et al., arXiv 2508.07747,
 github.com/junhyukso/GSD).
 
 Give every vocabulary entry a cluster label (e.g. k-means over VQ codes). With cluster masses

@@ -4,7 +4,7 @@ github.com/junhyukso/GSD, `scheduler/jacobi_iteration_lumina_mgpt.py`, class
 
 Training-free relaxation for image-token drafts (typically Speculative Jacobi Decoding).
 At a draft x the target's processed distribution p is ranked and x is judged together with
-a dynamic cluster of look-alike tokens (ALGORITHMS.md section 3):
+a dynamic cluster of look-alike tokens (docs/algorithms.md section 3):
 
     order  = tokens sorted by p, ascending, ties by token id  (the public code sorts the
              processed logits ascending; the order is the same)

@@ -3,7 +3,7 @@ LANTERN++, arXiv 2502.06352; public code: github.com/jadohu/LANTERN, `evaluate_p
 
 Image tokens of a VQ model have many near-interchangeable codes, so the target p is flat and
 exact verification rejects good drafts. LANTERN lends a draft x the target mass of its
-latent neighbours (ALGORITHMS.md section 2):
+latent neighbours (docs/algorithms.md section 2):
 
     NN[x]  = codebook entries sorted by L2 distance to entry x (x excluded)
     c_j    = sum_{i<=j} p(NN[x, i]),  j = 1..k                  (cumulative neighbour mass)

@@ -17,7 +17,7 @@ sampled from p (Medusa's "first token" is the target's own token).
 
 Limits: lossy (the output is not distributed like p) and meant for deterministic drafters
 (Medusa heads, top-k trees); a draft distribution q, when given, is ignored. The distortion
-reported per candidate is the over-accepted mass of the unifying view in ALGORITHMS.md,
+reported per candidate is the over-accepted mass of the unifying view in docs/algorithms.md,
 `max(0, a(x) - p(x)) = accepted * (1 - p(x))` for a one-hot draft.
 """
 

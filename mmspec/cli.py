@@ -29,6 +29,11 @@ def _bench_config(args):
     from mmspec.bench.pair import PairConfig
 
     pair = PairConfig(target_layers=args.target_layers, perturbation=args.perturbation, seed=args.seed)
+    if getattr(args, "smoke", False):
+        # Seconds-long check that the whole benchmark runs (tiny pair, one round); no figures.
+        pair = PairConfig(vocab_size=256, hidden_size=64, intermediate_size=128, target_layers=2, heads=4,
+                          perturbation=args.perturbation, seed=args.seed)
+        args.batch_sizes, args.draft_tokens, args.max_new_tokens, args.repeats = (1, 2), (3, 2), 8, 1
     try:
         return BenchConfig(
             batch_sizes=args.batch_sizes, num_draft_tokens=args.draft_tokens, max_new_tokens=args.max_new_tokens,
@@ -73,6 +78,8 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--no-compare-kernels", action="store_true",
                    help="run each method only on its library's default linear kernels (faster, no like-for-like rows)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    if not demo:
+        p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the bench runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """Turning logits into the distributions speculative decoding compares.
 
 Target and drafter logits go through the same processing (temperature, top-k, top-p), so
-`p` and `q` in ALGORITHMS.md are always the *processed* distributions; this is what makes
+`p` and `q` (docs/algorithms.md) are always the *processed* distributions; this is what makes
 exact speculative sampling distributed like plain sampling with the same settings. The
 math runs in float32 or wider (float64 models stay float64).
 """

@@ -1,4 +1,4 @@
-"""The layering and layout rules of DESIGN.md, read from the source files' imports."""
+"""The layering and layout rules of docs/architecture.md, read from the source files' imports."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def module_level_imports(path: Path) -> list[str]:
 
 def test_layout_exists():
     for name in ["pyproject.toml", "README.md", "mmspec", "pipelines", "drafters", "acceptance", "tests", "assets",
-                 "benchmarks", ".ci/run", "docs/architecture.md"]:
+                 "benchmarks", ".ci/run", "docs/architecture.md", "docs/algorithms.md"]:
         assert (ROOT / name).exists(), name
 
 
@@ -74,3 +74,11 @@ def test_no_package_file_over_600_lines():
     files = [p for d in ["mmspec", "acceptance", "drafters", "pipelines"] for p in (ROOT / d).rglob("*.py")]
     long = [(str(p.relative_to(ROOT)), n) for p in files if (n := len(p.read_text().splitlines())) > 600]
     assert not long
+
+
+def test_package_cites_only_what_the_repository_carries():
+    """Design notes outside the repository are not cited; docs/ carries our own."""
+    files = [p for d in ["mmspec", "acceptance", "drafters", "pipelines", "benchmarks"] for p in (ROOT / d).rglob("*.py")]
+    files += [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    bad = [str(p.relative_to(ROOT)) for p in files if any(s in p.read_text() for s in ("DESIGN.md", "ALGORITHMS.md", "../shared"))]
+    assert not bad

@@ -2,7 +2,7 @@
 
 What: ``World`` (scenes with images, class labels, captions, Q/A), ``Judge`` (a CNN that
 scores generated images), and training/eval commands (``cli.py``). Why: no model hub is
-reachable, so mmspec ships its own reproducible toy models (DESIGN.md, "Testbed").
+reachable, so mmspec ships its own reproducible toy models (assets/testbed/README.md).
 
 ``World`` and ``Judge`` are exported lazily so that ``import mmspec.testbed`` pulls in
 neither PIL nor transformers.

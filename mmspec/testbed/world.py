@@ -15,7 +15,7 @@ and box-filtered so edges are anti-aliased. Each scene carries
   and yes/no facts.
 
 Why: no model hub is reachable, so the project trains its own small VQ tokenizer, judge,
-generators and VLMs on this world (DESIGN.md, "Testbed"). Everything is deterministic by
+generators and VLMs on this world (assets/testbed/README.md). Everything is deterministic by
 seed: scene ``i`` of split ``s`` of world seed ``k`` depends only on ``(k, s, i)``.
 
 Limits: a toy. Colours are saturated and backgrounds muted so the main object is always
