@@ -88,12 +88,48 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
     return am
 
 
-def _resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig):
+def _rule_tables(acceptance, kwargs: dict, target, drafter) -> dict:
+    """Fill the tables a rule named by string needs (LANTERN's `codebook`, GSD's
+    `embeddings`, cluster_exact's `labels`) from what the target or drafter expose through
+    `acceptance_tables()`, unless the caller passed them in `acceptance_kwargs`."""
+    import inspect
+
+    from mmspec.acceptance import RULES
+
+    cls = RULES.get(acceptance)
+    if cls is None:
+        return kwargs
+    required = [
+        name for name, prm in inspect.signature(cls).parameters.items()
+        if prm.default is inspect.Parameter.empty and prm.kind is prm.POSITIONAL_OR_KEYWORD and name not in kwargs
+    ]
+    if not required:
+        return kwargs
+    tables: dict = {}
+    for owner in (drafter, target):
+        provide = getattr(owner, "acceptance_tables", None)
+        if callable(provide):
+            tables = {**provide(), **tables}
+    missing = [name for name in required if name not in tables]
+    if missing:
+        raise ValueError(
+            f"acceptance={acceptance!r} needs {missing}, which neither the target nor the drafter provides "
+            f"(acceptance_tables()); pass acceptance_kwargs={{{missing[0]!r}: tensor}} or a configured rule object"
+        )
+    return {**kwargs, **{name: tables[name] for name in required}}
+
+
+def _resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig, target, drafter):
     from mmspec.acceptance import get_rule  # core -> rules only at call time (layering)
 
     if acceptance_kwargs is not None and not isinstance(acceptance, str):
         raise ValueError("acceptance_kwargs is only used with a rule name; configure a rule object directly")
-    rule = get_rule(acceptance, **(acceptance_kwargs or {}))
+    if acceptance_kwargs is not None and not isinstance(acceptance_kwargs, dict):
+        raise TypeError(f"acceptance_kwargs must be a dict, got {type(acceptance_kwargs).__name__}")
+    kwargs = dict(acceptance_kwargs or {})
+    if isinstance(acceptance, str):
+        kwargs = _rule_tables(acceptance, kwargs, target, drafter)
+    rule = get_rule(acceptance, **kwargs)
     check_rule(rule)
     if sampling.greedy and hasattr(rule, "at_temperature_zero"):
         rule = rule.at_temperature_zero()
@@ -122,8 +158,12 @@ class _Emitter:
         ended = torch.isin(roots, self.eos_t).tolist() if self.eos else [False] * len(self.rows_host)
         return [i for i, e in enumerate(ended) if not e and self.max_new > 1]
 
-    def emit(self, tokens: torch.Tensor, verdict: Verdict) -> tuple[CommitInfo, list[int], list[int], list[int]]:
-        """Record one step: returns (commit info, accepted counts, emitted counts, rows that go on)."""
+    def emit(
+        self, tokens: torch.Tensor, verdict: Verdict, finite: torch.Tensor
+    ) -> tuple[CommitInfo, list[int], list[int], list[int]]:
+        """Record one step: returns (commit info, accepted counts, emitted counts, rows that go on).
+        `finite` [2] bool: the target's and the drafter's distributions were finite (checked
+        within the step's one sync)."""
         Ba, N1 = tokens.shape
         N = N1 - 1
         device = tokens.device
@@ -142,8 +182,15 @@ class _Emitter:
         pos = torch.where(j < count.unsqueeze(1), self.written.unsqueeze(1) + j, torch.full_like(j, self.trash))
         self.buf[self.rows_dev.unsqueeze(1).expand_as(pos), pos] = emitted
         self.written = self.written + count
-        parts = [n, count, self.written] + ([hit.any(1).long()] if self.eos else [])
-        host = torch.stack(parts).tolist()  # SYNC: the one per step (accepted counts, ends)
+        parts = [n, count, self.written, finite.long().min().expand(Ba)] + ([hit.any(1).long()] if self.eos else [])
+        host = torch.stack(parts).tolist()  # SYNC: the one per step (accepted counts, ends, finiteness)
+        if Ba and not host[3][0]:
+            raise ValueError(
+                "non-finite probabilities (NaN or inf) in this step's "
+                f"{'target' if not bool(finite[0]) else 'drafter'} distribution; check the model's dtype and inputs "
+                "(the output would be silently wrong)"
+            )
+        host = host[:3] + host[4:]
         n_host, count_host, written_host = host[0], host[1], host[2]
         ended = host[3] if self.eos else [0] * Ba
         for r, c in zip(self.rows_host, count_host):
@@ -210,7 +257,7 @@ def speculative_generate(
             f"drafter {type(drafter).__name__} reads target features {features} but target {type(target).__name__} "
             "does not declare supports_features"
         )
-    rule = _resolve_rule(acceptance, acceptance_kwargs, sampling)
+    rule = _resolve_rule(acceptance, acceptance_kwargs, sampling, target, drafter)
     stats = SpecStats(new_tokens=[0] * input_ids.shape[0], lossless=bool(rule.lossless))
     if max_new_tokens == 0:
         return SpecOutput(input_ids.clone(), stats)
@@ -238,7 +285,11 @@ class _Loop:
             input_ids, attention_mask, model_inputs, max_new_tokens, self.drafter.max_draft_nodes, features
         )
         self.stats.prefill_calls = 1
-        self.roots = self.rule.sample(process_logits(tout.logits[:, -1], self.sampling), self.generator)
+        probs = process_logits(tout.logits[:, -1], self.sampling)
+        if not bool(torch.isfinite(probs).all()):  # SYNC: once, after prefill
+            raise ValueError("non-finite probabilities (NaN or inf) from the target's prefill; check the model's dtype "
+                             "and inputs (the output would be silently wrong)")
+        self.roots = self.rule.sample(probs, self.generator)
         t0 = self.timer.mark()
         self.drafter.prefill(input_ids, attention_mask, tout, model_inputs, max_new_tokens)
         self.timer.charge("draft", t0, self.timer.mark())
@@ -253,8 +304,13 @@ class _Loop:
         tokens = torch.cat([self.roots.unsqueeze(1), draft.tokens], 1)  # [Ba, N+1]
         tout = self.target.verify(tokens, None if draft.is_chain else draft.parents)
         probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
+        finite = torch.stack([
+            torch.isfinite(probs).all(),
+            torch.isfinite(draft.draft_probs).all() if draft.draft_probs is not None else torch.isfinite(
+                draft.tokens.float()).all(),
+        ])
         verdict = verify_draft(self.rule, draft, probs, generator=self.generator)
-        info, n_host, count_host, keep = emitter.emit(tokens, verdict)
+        info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite)
         info.is_chain = draft.is_chain
         if verdict.distortion is not None:  # summed on the device; read once at the end
             self.distortion = self.distortion + verdict.distortion.sum().to(torch.float64)

@@ -5,9 +5,10 @@ soft-capping, image merging and mask rules apply exactly) over a `RaggedCache`, 
 the pieces other components share: `embed` (the input embeddings), `head` (the output
 embeddings), `positions` (1-D logical positions; Qwen2-VL's spec derives M-RoPE from them).
 
-- Prefill passes the prompt's 2-D attention mask: transformers builds its own causal mask
-  (fused causal kernels where the model allows; sliding windows; prefix-LM masks from
-  `token_type_ids`), exactly as its `generate` does.
+- Prefill of an unpadded batch (or of a prefix-LM model with `token_type_ids`) passes the
+  prompt's 2-D attention mask: transformers builds its own causal mask (fused causal kernels
+  where the model allows; sliding windows; prefix-LM masks), exactly as its `generate` does.
+  A left-padded batch gets our own 4-D mask (pad queries see themselves, so no NaN appears).
 - Verify passes a 4-D additive float mask (tree attention over the ragged cache), built per
   attention type: a sliding-window layer sees only the last `sliding_window` positions.
 - Drafter features (`FeatureRequest`) are captured with temporary forward hooks: the base
@@ -84,10 +85,26 @@ class HFSpec(ForwardSpec):
 
     # ---- forwards -----------------------------------------------------------------------------------
     def prefill(self, input_ids, attention: Attention, kv: RaggedKV, model_inputs, features) -> SpecOutput:
-        mask = attention.key_padding.long()
+        # SYNC: once per request. Without padding the model builds its own causal mask from the
+        # 2-D mask (fused causal kernels; sliding windows; prefix-LM masks from token_type_ids).
+        # With left padding we pass our own 4-D mask, in which a pad query sees itself: the
+        # models' masks leave pad queries fully masked, which in eager float64 attention turns
+        # into NaN that a masked-out key still spreads (0 * NaN). Prefix-LM masks (token_type_ids)
+        # are model-specific, so those always go through the model's own mask.
+        padded = not bool(attention.key_padding.all())
+        if padded and "token_type_ids" not in model_inputs:
+            mask = self._additive(attention)
+        else:
+            mask = attention.key_padding.long()
         return self._run(input_ids, mask, attention.q_pos, kv, features, keep=1, model_inputs=model_inputs)
 
     def forward(self, tokens, attention: Attention, kv: RaggedKV, features, *, last_only=False) -> SpecOutput:
+        mask = self._additive(attention)
+        return self._run(tokens, mask, attention.q_pos, kv, features, keep=1 if last_only else 0, model_inputs={})
+
+    def _additive(self, attention: Attention):
+        """4-D additive float mask(s) [B, 1, Q, S]: one tensor, or one per attention type for
+        models that alternate sliding-window and full layers."""
         neg = torch.finfo(self.dtype).min
 
         def additive(window):
@@ -95,12 +112,10 @@ class HFSpec(ForwardSpec):
             return torch.zeros(vis.shape, dtype=self.dtype, device=vis.device).masked_fill(~vis, neg).unsqueeze(1)
 
         if self._windows is None:
-            mask = additive(None)
-        elif isinstance(self._windows, dict):
-            mask = {kind: additive(w) for kind, w in self._windows.items()}
-        else:
-            mask = additive(self._windows)
-        return self._run(tokens, mask, attention.q_pos, kv, features, keep=1 if last_only else 0, model_inputs={})
+            return additive(None)
+        if isinstance(self._windows, dict):
+            return {kind: additive(w) for kind, w in self._windows.items()}
+        return additive(self._windows)
 
     def _run(self, input_ids, mask, positions, kv, features: FeatureRequest, *, keep, model_inputs) -> SpecOutput:
         if self._cache is None or self._cache.store is not kv:

@@ -19,6 +19,14 @@ from mmspec.spec_target import SpecTarget, chain_visibility
 __all__ = ["HFTarget", "chain_visibility", "text_vocab_size"]
 
 
+# Recurrent / state-space / hybrid families keep a state that cannot be rolled back per row
+# by slot bookkeeping; ALiBi families add position biases from the mask that a 4-D custom mask
+# bypasses. Refused by name rather than decoded wrongly.
+STATE_SPACE = {"mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "falcon_h1",
+               "qwen3_next", "lfm2", "granitemoehybrid", "recurrent_gemma", "xlstm", "minimax", "nemotron_h"}
+ALIBI = {"bloom", "mpt", "baichuan"}
+
+
 def check_supported(model) -> None:
     """Refuse model families whose attention or state the ragged cache cannot reproduce."""
     params = inspect.signature(model.forward).parameters
@@ -30,6 +38,21 @@ def check_supported(model) -> None:
             f"target {name} uses M-RoPE positions (image_grid_thw); it needs the Qwen2-VL adapter "
             "of the VLM pipeline, not the generic HFTarget"
         )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model_type = getattr(config, "model_type", "")
+    if model_type in STATE_SPACE or "mamba" in model_type or "ssm" in model_type:
+        raise ValueError(
+            f"target/drafter {name} ({model_type}) keeps a recurrent state that mmspec's KV cache cannot roll back per "
+            "row; state-space and hybrid models are not supported (use an attention-only model)"
+        )
+    if model_type in ALIBI or getattr(config, "alibi", False):
+        raise ValueError(
+            f"{name} ({model_type}) uses ALiBi position biases, which mmspec's tree masks would drop; ALiBi models are "
+            "not supported (use a RoPE or learned-position model)"
+        )
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); load it with a *ForCausalLM / "
+                         "*ForConditionalGeneration class")
 
 
 class HFTarget(SpecTarget):
@@ -43,3 +66,7 @@ class HFTarget(SpecTarget):
         check_supported(model)
         self.model = model
         super().__init__(HFSpec(maybe_packed(model, prepack), source=model))
+
+    def acceptance_tables(self) -> dict:
+        """Tables rules named by string can use: GSD clusters by input-embedding distance."""
+        return {"embeddings": self.model.get_input_embeddings().weight.detach()}
