@@ -61,7 +61,14 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs [B, V] -> tokens [B]."""
+    """probs [B, V] -> tokens [B].
+
+    Rows that are not a distribution (NaN / inf / negative) are sampled uniformly instead of
+    letting `torch.multinomial` abort mid-step; the loop checks every distribution inside the
+    step's one host sync and raises a ValueError naming the culprit, so nothing sampled from
+    such a row is ever emitted."""
+    bad = ~(torch.isfinite(probs) & (probs >= 0)).all(-1, keepdim=True)
+    probs = torch.where(bad, torch.ones_like(probs), probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -1,0 +1,197 @@
+"""No silent wrong answers: sliding windows, prefix-LM masks, swallowed keyword arguments,
+truthful stats, memory that follows the tokens generated, NaN, refused model families.
+Each test fails on the core before the forward-spec rewrite (9945993)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.drafters import ModelDrafter
+
+from conftest import left_padded
+
+COMMON = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, attn_implementation="sdpa", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@torch.no_grad()
+def plain_greedy(model, ids, mask, n, **inputs):
+    """The model's own greedy decoding, row by row, cache-free (a full forward per token)."""
+    rows = []
+    for b in range(ids.shape[0]):
+        seq = ids[b][mask[b].bool()].unsqueeze(0)
+        for _ in range(n):
+            seq = torch.cat([seq, model(input_ids=seq, **inputs).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        rows.append(seq[0, -n:])
+    return torch.stack(rows)
+
+
+def windowed(name):
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig,
+                              MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed(0)
+    build = {
+        "mistral": lambda w: MistralForCausalLM(MistralConfig(sliding_window=w, **COMMON)),
+        "qwen2": lambda w: Qwen2ForCausalLM(Qwen2Config(use_sliding_window=True, sliding_window=w, max_window_layers=1,
+                                                        **COMMON)),
+        "gemma2": lambda w: Gemma2ForCausalLM(Gemma2Config(sliding_window=w, head_dim=8,
+                                                           **{**COMMON, "attn_implementation": "eager"})),
+        "gemma3": lambda w: Gemma3ForCausalLM(Gemma3TextConfig(sliding_window=w, head_dim=8, **COMMON)),
+        "phi3": lambda w: Phi3ForCausalLM(Phi3Config(sliding_window=w, **COMMON)),
+    }[name]
+    return build(4).double().eval()
+
+
+@pytest.mark.parametrize("tree", [None, mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)], ids=["chain", "tree"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gemma3", "phi3"])
+def test_sliding_window_models_equal_their_own_decoding(name, tree):
+    model = windowed(name)
+    ids, mask = left_padded([9, 5, 7, 3])
+    n = 12
+    ref = plain_greedy(model, ids, mask, n)
+    out = mmspec.speculative_generate(model, ModelDrafter(model, 3, tree=tree), ids, mask, temperature=0,
+                                      max_new_tokens=n)
+    assert torch.equal(out.sequences[:, ids.shape[1]:], ref)
+    if name == "mistral":  # the window changes the output, so ignoring it would fail this test
+        wide = windowed(name)
+        wide.config.sliding_window = None
+        assert not torch.equal(plain_greedy(wide, ids, mask, n), ref)
+
+
+def test_prefix_lm_token_type_ids_are_honoured():
+    from transformers import GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
+
+    torch.manual_seed(0)
+    text = GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, pad_token_id=0, initializer_range=0.3)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                image_size=16, patch_size=8)
+    model = PaliGemmaForConditionalGeneration(PaliGemmaConfig(
+        vision_config=vision, text_config=text, image_token_index=60, projection_dim=32, initializer_range=0.3,
+    )).double().eval()
+    ids = torch.tensor([[60, 60, 60, 60, 1, 5, 7, 9, 11]])
+    px = torch.randn(1, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for kind, tt in {"prefix": [0] * 9, "causal": [1] * 9}.items():
+        tt = torch.tensor([tt])
+        seq, t = ids, tt
+        with torch.no_grad():
+            for _ in range(8):
+                nxt = model(input_ids=seq, pixel_values=px, token_type_ids=t).logits[:, -1].argmax(-1, keepdim=True)
+                seq, t = torch.cat([seq, nxt], 1), torch.cat([t, torch.ones_like(nxt)], 1)
+        out = mmspec.speculative_generate(model, ModelDrafter(model, 3), ids, temperature=0, max_new_tokens=8,
+                                          pixel_values=px, token_type_ids=tt)
+        assert out.sequences[0, -8:].tolist() == seq[0, -8:].tolist(), kind
+        results[kind] = seq[0, -8:].tolist()
+    assert results["prefix"] != results["causal"]  # the bidirectional prefix matters here
+
+
+@pytest.mark.parametrize("bad", [{"do_sample": False}, {"temprature": 0}, {"max_length": 10},
+                                 {"pixel_values": torch.zeros(1, 3, 8, 8)}, {"past_key_values": None}])
+def test_unknown_or_reserved_keyword_arguments_are_refused(target, weak_drafter, bad):
+    ids, mask = left_padded([4, 3])
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 2), ids, mask, max_new_tokens=4, **bad)
+
+
+def test_stats_count_only_emitted_tokens(target):
+    ids, mask = left_padded([5, 4])
+    out = mmspec.speculative_generate(target, ModelDrafter(target, 8), ids, mask, temperature=0, max_new_tokens=3)
+    s = out.stats
+    assert s.new_tokens == [3, 3]
+    # One verify step: 2 tokens emitted per row (the drafter proposed 8 and all were accepted).
+    assert s.target_calls == 1 and s.mean_accepted_length == 2.0 and s.accepted_drafts == 4
+    assert s.verified_accepted == 16 and s.acceptance_cumulative == [1.0, 1.0]  # 2 of 8 drafts were emitted
+
+
+def test_summary_reports_distortion_of_lossy_rules(target, weak_drafter):
+    ids, mask = left_padded([5, 4])
+    out = mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 3), ids, mask, temperature=1.0,
+                                      max_new_tokens=8, acceptance="typical", generator=torch.Generator().manual_seed(0))
+    assert not out.stats.lossless and "distortion" in out.stats.summary()
+    exact = mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 3), ids, mask, temperature=1.0,
+                                        max_new_tokens=8, generator=torch.Generator().manual_seed(0))
+    assert "distortion" not in exact.stats.summary()
+
+
+def test_cache_memory_follows_the_tokens_generated(target):
+    ids, mask = left_padded([5, 4])
+    ref = plain_greedy(target, ids, mask, 6)
+    eos = [int(ref[0, 3]), int(ref[1, 3])]  # both rows end by their 4th token
+    from mmspec.models import HFTarget
+
+    t = HFTarget(target)
+    out = mmspec.speculative_generate(t, ModelDrafter(target, 3), ids, mask, temperature=0, max_new_tokens=300_000,
+                                      eos_token_id=eos)
+    assert max(out.stats.new_tokens) <= 4
+    # Buffers start at the prompt plus one chunk: nothing near 300k slots was allocated.
+    assert t.runner.kv.capacity <= ids.shape[1] + 64 + 8 and t.runner.kv.max_slots > 300_000
+
+
+def test_cache_grows_in_chunks_and_stays_exact(target):
+    from mmspec import ragged
+
+    ids, mask = left_padded([5, 4])
+    ref = plain_greedy(target, ids, mask, 150)
+    out = mmspec.speculative_generate(target, ModelDrafter(target, 3), ids, mask, temperature=0, max_new_tokens=150)
+    assert torch.equal(out.sequences[:, ids.shape[1]:], ref)  # crossed ragged.GROWTH_CHUNK twice
+    assert 150 > 2 * ragged.GROWTH_CHUNK
+
+
+def test_refused_model_families():
+    from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaModel, MambaConfig, MambaForCausalLM
+
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=40, hidden_size=32, n_layer=1, n_head=4))
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, state_size=4))
+    headless = LlamaModel(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4))
+    ids = torch.tensor([[3, 4, 5]])
+    for model, match in [(bloom, "ALiBi"), (mamba, "state"), (headless, "LM head")]:
+        with pytest.raises(ValueError, match=match):
+            mmspec.speculative_generate(model, ModelDrafter(model, 2) if match != "LM head" else None, ids)
+        with pytest.raises(ValueError, match=match):
+            ModelDrafter(model, 2)
+
+
+def test_nan_distributions_raise(target, weak_drafter):
+    import copy
+
+    ids, mask = left_padded([4, 3])
+    broken = copy.deepcopy(weak_drafter)
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="drafter distribution"):
+        mmspec.speculative_generate(target, ModelDrafter(broken, 2), ids, mask, temperature=1.0, max_new_tokens=6)
+    with pytest.raises(ValueError, match="prefill"):
+        mmspec.speculative_generate(broken, ModelDrafter(weak_drafter, 2), ids, mask, max_new_tokens=6)
+
+
+def test_named_rules_get_their_tables(target, weak_drafter):
+    ids, mask = left_padded([4, 3])
+    g = torch.Generator().manual_seed(0)
+    out = mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 2), ids, mask, acceptance="gsd",
+                                      max_new_tokens=6, generator=g)
+    assert out.stats.new_tokens == [6, 6] and not out.stats.lossless  # embeddings came from the target
+    with pytest.raises(ValueError, match="codebook.*acceptance_kwargs"):
+        mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 2), ids, mask, acceptance="lantern")
+    cb = torch.randn(40, 4, generator=g)
+    out = mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 2), ids, mask, acceptance="lantern",
+                                      acceptance_kwargs={"codebook": cb, "k": 3, "delta": 0.1}, max_new_tokens=6)
+    assert out.stats.new_tokens == [6, 6]
+
+
+def test_protocol_gaps_are_named(target):
+    class NoVocab:
+        max_draft_nodes = 2
+
+        def prefill(self, *a): ...
+
+        propose = commit = select_rows = prefill
+
+    with pytest.raises(TypeError, match="vocab_size"):
+        mmspec.speculative_generate(target, NoVocab(), torch.tensor([[3, 4]]))
+    with pytest.raises(ValueError, match="eos_token_id"):
+        mmspec.speculative_generate(target, ModelDrafter(target, 2), torch.tensor([[3, 4]]), eos_token_id=True)
