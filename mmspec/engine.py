@@ -18,11 +18,13 @@ al. 2023; Chen et al. 2023).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mmspec.adaptive import DraftLengthController
 from mmspec.protocols import check_drafter, check_rule, check_target, is_target
 from mmspec.sampling import SamplingConfig, process_logits
 from mmspec.stats import SpecStats
@@ -279,6 +281,11 @@ class _Loop:
         self.t_start = self.timer.mark()
         self.distortion = torch.zeros((), dtype=torch.float64, device=device)
         self.roots: torch.Tensor | None = None
+        # Adaptive draft length (drafters built with num_draft_tokens="auto"): the controller
+        # may be the drafter's own, so that it keeps learning across calls.
+        self.controller = None
+        if getattr(drafter, "adaptive", False):
+            self.controller = getattr(drafter, "controller", None) or DraftLengthController(drafter.max_draft_nodes)
 
     def prefill(self, input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter: _Emitter) -> None:
         tout = self.target.prefill(
@@ -298,9 +305,15 @@ class _Loop:
             self._drop(emitter, keep)
 
     def step(self, emitter: _Emitter) -> None:
+        k = None
+        if self.controller is not None:
+            k = self.controller.choose(len(emitter.rows_host))
+            self.drafter.set_draft_length(k)
+        h0 = time.perf_counter()
         t0 = self.timer.mark()
         draft: Draft = self.drafter.propose(self.roots, self.sampling, self.generator)
         t1 = self.timer.mark()
+        h1 = time.perf_counter()
         tokens = torch.cat([self.roots.unsqueeze(1), draft.tokens], 1)  # [Ba, N+1]
         tout = self.target.verify(tokens, None if draft.is_chain else draft.parents)
         probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
@@ -316,12 +329,16 @@ class _Loop:
             self.distortion = self.distortion + verdict.distortion.sum().to(torch.float64)
         self.target.commit(info)
         t2 = self.timer.mark()
+        h2 = time.perf_counter()
         self.drafter.commit(info, tout)
         self.stats.record_step(n_host, draft.num_nodes, count_host)
         self.roots = verdict.next_tokens
         if len(keep) < len(n_host):
             self._drop(emitter, keep)
         t3 = self.timer.mark()
+        if self.controller is not None:
+            # Host clocks: the step's sync (in emit) has completed the verify work by h2.
+            self.controller.observe(len(n_host), k, n_host, (h1 - h0) + (time.perf_counter() - h2), h2 - h1)
         self.timer.charge("draft", t0, t1)
         self.timer.charge("verify", t1, t2)
         self.timer.charge("draft", t2, t3)

@@ -1,0 +1,161 @@
+"""Adaptive draft length: pick, before every step, the number of draft tokens K (0..K_max)
+that maximises the expected tokens per second of the current batch, from past steps only.
+
+Model (per step, B active rows, K drafts per row):
+
+    E[tokens per row](K) = 1 + sum_{i=1..K} prod_{j=1..i} a_j            (a_j: P(draft j accepted | j-1 accepted))
+    seconds(B, K)        = verify(B, K + 1) + draft(B, K)
+    choose K = argmax_K  B * E(K) / seconds(B, K)
+
+- `a_j` are running estimates with forgetting (recent steps weigh more), so speculation
+  switches itself off when acceptance drops and back on when it recovers. Positions never
+  tried borrow the pooled rate of the tried ones (a geometric tail).
+- `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed,
+  otherwise a least-squares line in the number of tokens processed (B * Q for verify, B * K
+  for drafting) fitted to every observation so far, so a batch size seen for the first time
+  still gets an estimate. K = 0 is plain decoding (the drafter does no work that step).
+- Exploration is deterministic: a short warm-up over a few K values, then every `probe_every`
+  steps the neighbour of the current choice is tried, so the estimates stay fresh.
+
+Because K depends only on finished steps, the output distribution is untouched: each step
+verifies its draft exactly, whatever K was (greedy output is identical for every K).
+
+Related schedules, for orientation (ours differs in being cost-model driven and batch-aware):
+transformers' assisted generation grows K by 2 after a fully accepted draft and shrinks it by
+1 otherwise (`num_assistant_tokens_schedule="heuristic"`); SpecDec++ (Huang et al. 2024,
+arXiv 2405.19715) stops drafting when a learned acceptance predictor falls below a threshold;
+DISCO (Mamou et al. 2024, arXiv 2405.04304) trains a classifier for the same stop decision;
+BanditSpec (Hou et al. 2025, arXiv 2505.15141) treats the choice of K as a bandit problem.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class _LinearCost:
+    """seconds ~ c0 + c1 * tokens, fitted by least squares; plus exact running means for
+    each observed key (which are preferred when present)."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.means: dict = {}
+        self.points: list[tuple[float, float]] = []
+
+    def observe(self, key, tokens: float, seconds: float) -> None:
+        old = self.means.get(key)
+        self.means[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.points.append((tokens, seconds))
+        if len(self.points) > 256:
+            self.points = self.points[-256:]
+
+    def estimate(self, key, tokens: float) -> float | None:
+        if key in self.means:
+            return self.means[key]
+        if not self.points:
+            return None
+        xs = [p[0] for p in self.points]
+        ys = [p[1] for p in self.points]
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+        slope = max(slope, 0.0)  # more tokens never cost less
+        return max(my + slope * (tokens - mx), 0.0)
+
+
+class DraftLengthController:
+    """Chooses K per step for a chain drafter with at most `k_max` drafts."""
+
+    def __init__(
+        self,
+        k_max: int,
+        *,
+        prior_acceptance: float = 0.7,
+        prior_weight: float = 2.0,
+        decay: float = 0.9,
+        warmup: tuple[int, ...] | None = None,
+        probe_every: int = 8,
+    ):
+        if not isinstance(k_max, int) or k_max < 0:
+            raise ValueError(f"k_max must be an int >= 0, got {k_max!r}")
+        self.k_max = k_max
+        self.decay = decay
+        # Conditional acceptance per position, as discounted counts (accepted, tried).
+        self.acc = [prior_acceptance * prior_weight] * k_max
+        self.tried = [prior_weight] * k_max
+        self.verify = _LinearCost(decay)
+        self.draft = _LinearCost(decay)
+        k0 = min(4, k_max)
+        self.warmup = list(warmup if warmup is not None else (k0, k0, min(1, k_max), k_max, k0))
+        self.probe_every = probe_every
+        self.steps = 0
+        self.history: list[int] = []
+        self.last_choice = k0
+
+    # ---- estimates ------------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        return [a / t if t > 0 else 0.0 for a, t in zip(self.acc, self.tried)]
+
+    def expected_tokens(self, k: int) -> float:
+        rates = self.acceptance()
+        total, run = 1.0, 1.0
+        for i in range(k):
+            run *= rates[i]
+            total += run
+        return total
+
+    def seconds(self, batch: int, k: int) -> float | None:
+        v = self.verify.estimate((batch, k + 1), batch * (k + 1))
+        d = 0.0 if k == 0 else self.draft.estimate((batch, k), batch * k)
+        if v is None or d is None:
+            return None
+        return v + d
+
+    def rate(self, batch: int, k: int) -> float | None:
+        s = self.seconds(batch, k)
+        return None if s is None or s <= 0 else batch * self.expected_tokens(k) / s
+
+    # ---- the decision ---------------------------------------------------------------------------
+    def choose(self, batch: int) -> int:
+        if self.k_max == 0:
+            k = 0
+        elif self.steps < len(self.warmup):
+            k = self.warmup[self.steps]
+        else:
+            rates = {k: self.rate(batch, k) for k in range(self.k_max + 1)}
+            known = {k: r for k, r in rates.items() if r is not None}
+            k = max(known, key=known.get) if known else self.last_choice
+            if self.probe_every and self.steps % self.probe_every == 0:
+                # Keep the neighbours' estimates fresh: alternate above / below the choice.
+                step = 1 if (self.steps // self.probe_every) % 2 else -1
+                k = min(max(k + step, 0), self.k_max)
+        self.last_choice = k
+        self.history.append(k)
+        self.steps += 1
+        return k
+
+    def observe(self, batch: int, k: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
+        """Learn from a finished step: per-row accepted drafts (by the rule, before any EOS cut)."""
+        d = self.decay
+        for i in range(k):
+            tried = sum(1 for n in accepted if n >= i)  # rows that reached draft i
+            ok = sum(1 for n in accepted if n > i)
+            if tried:
+                self.acc[i] = d * self.acc[i] + ok
+                self.tried[i] = d * self.tried[i] + tried
+        if k > 0:
+            # Untried positions drift toward the pooled rate of the tried ones.
+            pooled = sum(self.acc[:k]) / max(sum(self.tried[:k]), 1e-9)
+            for i in range(k, self.k_max):
+                self.acc[i] = d * self.acc[i] + (1 - d) * pooled * self.tried[i]
+        self.verify.observe((batch, k + 1), batch * (k + 1), verify_seconds)
+        if k > 0:
+            self.draft.observe((batch, k), batch * k, draft_seconds)
+
+
+def summarize(history: list[int]) -> dict[int, int]:
+    counts: dict[int, int] = defaultdict(int)
+    for k in history:
+        counts[k] += 1
+    return dict(sorted(counts.items()))
