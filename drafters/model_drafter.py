@@ -35,20 +35,36 @@ from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig
 
 
 class ModelDrafter:
-    """Drafts with a small HF causal LM. `prepack` ("auto", True, False): run its linear
-    layers on oneDNN-prepacked weights (float32 CPU models; mmspec/models/prepack.py)."""
+    """Drafts with a small HF causal LM: a chain of `num_draft_tokens` tokens (default 4) or,
+    with `tree=TreeConfig(...)`, a dynamic tree (then `num_draft_tokens` must not be given).
+    `prepack` ("auto", True, False): run its linear layers on oneDNN-prepacked weights
+    (float32 CPU models; mmspec/models/prepack.py)."""
 
-    def __init__(self, model, num_draft_tokens: int = 4, tree: TreeConfig | None = None, *, prepack="auto"):
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
+    def __init__(self, model, num_draft_tokens: int | None = None, tree: TreeConfig | None = None, *, prepack="auto"):
         if tree is not None and not isinstance(tree, TreeConfig):
             raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
+        if tree is not None and num_draft_tokens is not None:
+            raise ValueError(
+                f"num_draft_tokens={num_draft_tokens!r} has no effect with tree=: a tree drafts tree.num_nodes="
+                f"{tree.num_nodes} nodes over tree.depth={tree.depth} levels; pass one of num_draft_tokens or tree"
+            )
+        if num_draft_tokens is None:
+            num_draft_tokens = 4  # the chain default (unused by trees)
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+            raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r} ({type(num_draft_tokens).__name__})")
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
         if not hasattr(model, "config") or not callable(model):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.tree = tree
         self.vocab_size = text_vocab_size(model)
+        if tree is not None and tree.top_k > self.vocab_size:
+            raise ValueError(
+                f"TreeConfig.top_k={tree.top_k} exceeds the drafter's vocabulary of {self.vocab_size} tokens; "
+                f"use top_k <= {self.vocab_size}"
+            )
         self.runner = HFRunner(maybe_packed(model, prepack))
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
