@@ -6,6 +6,8 @@ pipelines can pick a rule by name. Every rule implements `mmspec.AcceptanceRule`
 
 from __future__ import annotations
 
+import inspect
+
 from .base import ChainRule, check_chain_inputs
 from .cluster_exact import ClusterExactAcceptance
 from .continuous import ContinuousAcceptance, ContinuousResult
@@ -32,8 +34,19 @@ CONTINUOUS_RULES: dict[str, type] = {
 }
 
 
+# Rules that cannot be built from a name alone: the table each one needs.
+_TABLES: dict[str, tuple[str, str]] = {
+    "lantern": ("codebook", "a [V, D] tensor of token latents (e.g. the VQ codebook rows of each image token)"),
+    "gsd": ("embeddings", "a [V, D] tensor of token embeddings (e.g. the target's input embedding matrix)"),
+    "cluster_exact": ("labels", "a [V] integer tensor of cluster ids, one per token"),
+}
+
+
 def get_rule(rule, **kwargs):
-    """A rule object from a name in RULES (built with kwargs) or a rule object itself."""
+    """A rule object from a name in RULES, built with `kwargs` (e.g.
+    `get_rule("lantern", codebook=cb, k=100)`), or a rule object itself (then `kwargs` must
+    be empty). Raises a ValueError naming the table a rule needs when it is missing, and a
+    TypeError for a rule class passed instead of an instance."""
     if isinstance(rule, str):
         if rule in CONTINUOUS_RULES:
             raise ValueError(
@@ -42,10 +55,32 @@ def get_rule(rule, **kwargs):
             )
         if rule not in RULES:
             raise ValueError(f"acceptance={rule!r} is not a known rule; choose one of {sorted(RULES)} or pass a rule object")
+        if rule in _TABLES and _TABLES[rule][0] not in kwargs:
+            table, what = _TABLES[rule]
+            raise ValueError(
+                f"acceptance={rule!r} needs its {table} table ({what}); pass it via "
+                f"acceptance_kwargs={{'{table}': ...}} or pass a rule object, e.g. "
+                f"acceptance={RULES[rule].__name__}({table}=...)"
+            )
+        params = inspect.signature(RULES[rule]).parameters
+        unknown = sorted(k for k in kwargs if k not in params)
+        if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            known = list(params)
+            raise TypeError(f"acceptance={rule!r} takes no argument(s) {unknown}; its arguments are {known}")
         return RULES[rule](**kwargs)
+    if isinstance(rule, type):
+        raise TypeError(
+            f"acceptance={rule.__name__} is a class; pass an instance (acceptance={rule.__name__}(...)) "
+            f"or a name in {sorted(RULES)}"
+        )
     if not hasattr(rule, "verify"):
         raise TypeError(
             f"acceptance must be a name in {sorted(RULES)} or an object implementing mmspec.AcceptanceRule, got {type(rule).__name__}"
+        )
+    if kwargs:
+        raise ValueError(
+            f"acceptance arguments {sorted(kwargs)} apply to a rule given by name only; acceptance is already "
+            f"the object {type(rule).__name__}, so build it with those arguments instead"
         )
     return rule
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mmspec.adaptive import DraftLengthController
 from mmspec.spec import ForwardSpec, SpecRunner
 from mmspec.spec_target import chain_visibility
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
@@ -51,20 +52,60 @@ def drafter_spec(model, prepack) -> ForwardSpec:
 
 
 class ModelDrafter:
-    """Drafts with a small HF causal LM (or any `ForwardSpec`). `prepack` ("auto", True, False): run its linear
-    layers on oneDNN-prepacked weights (float32 CPU models; mmspec/models/prepack.py)."""
+    """Drafts with a small HF causal LM (or any `mmspec.spec.ForwardSpec`): a chain of
+    `num_draft_tokens` tokens or, with `tree=TreeConfig(...)`, a dynamic tree (then
+    `num_draft_tokens` must not be given).
 
-    def __init__(self, model, num_draft_tokens: int = 4, tree: TreeConfig | None = None, *, prepack="auto"):
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
-            raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
+    `num_draft_tokens="auto"` (the default for chains) lets the loop choose K in
+    0..`max_draft_tokens` before every step from measured costs and acceptance
+    (mmspec/adaptive.py); K = 0 is plain decoding (the drafter does no work that step and
+    catches up later). The controller lives on the drafter, so a drafter built once keeps
+    what it learned across calls. `prepack` ("auto", True, False): run its linear layers on
+    oneDNN-prepacked weights when that is measured faster (mmspec/models/kernel_choice.py)."""
+
+    def __init__(
+        self,
+        model,
+        num_draft_tokens: int | str | None = None,
+        tree: TreeConfig | None = None,
+        *,
+        max_draft_tokens: int = 8,
+        prepack="auto",
+    ):
         if tree is not None and not isinstance(tree, TreeConfig):
             raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
+        if tree is not None and num_draft_tokens is not None:
+            raise ValueError(
+                f"num_draft_tokens={num_draft_tokens!r} has no effect with tree=: a tree drafts tree.num_nodes="
+                f"{tree.num_nodes} nodes over tree.depth={tree.depth} levels; pass one of num_draft_tokens or tree"
+            )
+        if num_draft_tokens is None:
+            num_draft_tokens = "auto" if tree is None else 0  # trees draft tree.num_nodes
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+        self.adaptive = num_draft_tokens == "auto" and tree is None
+        if self.adaptive:
+            num_draft_tokens = max_draft_tokens
+        elif isinstance(num_draft_tokens, str):
+            raise ValueError(f"num_draft_tokens must be an int >= 0 or 'auto', got {num_draft_tokens!r}")
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+            raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r} ({type(num_draft_tokens).__name__})")
+        if num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.tree = tree
         spec = drafter_spec(model, prepack)
+        self.kernels = getattr(spec, "kernels", "")
         self.vocab_size = spec.vocab_size
+        if tree is not None and tree.top_k > self.vocab_size:
+            raise ValueError(
+                f"TreeConfig.top_k={tree.top_k} exceeds the drafter's vocabulary of {self.vocab_size} tokens; "
+                f"use top_k <= {self.vocab_size}"
+            )
         self.runner = SpecRunner(spec)
+        self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
+        self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
 
@@ -85,10 +126,11 @@ class ModelDrafter:
     def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
         B = roots.shape[0]
         device = roots.device
-        K = self.num_draft_tokens
+        K = self.k
         if self.tree is None and K == 0:
-            # Nothing to draft: the drafter still records the committed tokens.
-            self._catch_up(roots)
+            # Plain decoding this step: no drafter forward; the root joins the tokens the
+            # drafter will catch up on the next time it drafts.
+            self._defer(roots)
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         logits = self._catch_up(roots)  # [B, V] at the root
         if self.tree is not None:
@@ -110,7 +152,9 @@ class ModelDrafter:
     def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
         n, n_host = info.num_accepted, info.num_accepted_list
         if self.tree is None:
-            K = self.num_draft_tokens
+            K = self.k
+            if K == 0:
+                return  # nothing was drafted; the deferred root stays pending
             # Drafts d_0..d_{K-2} were run through the drafter; the accepted ones stay.
             kept = n.clamp(max=max(K - 1, 0))
             self.runner.advance(kept, [min(a, max(K - 1, 0)) for a in n_host])
@@ -135,7 +179,22 @@ class ModelDrafter:
         self.pending_count = self.pending_count.index_select(0, rows)
         self.pending_host = [self.pending_host[r] for r in rows_host]
 
+    def set_draft_length(self, k: int) -> None:
+        """The loop's choice of K for the next step (adaptive drafters only)."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.num_draft_tokens:
+            raise ValueError(f"draft length must be an int in 0..{self.num_draft_tokens}, got {k!r}")
+        self.k = k
+
     # ---- internals -------------------------------------------------------------------------
+    def _defer(self, roots: torch.Tensor) -> None:
+        """Append each row's root to its pending tokens (no forward)."""
+        B, P = self.pending.shape
+        rows = torch.arange(B, device=roots.device)
+        pending = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)
+        pending[rows, self.pending_count] = roots
+        self.pending = pending
+        self.pending_count = self.pending_count + 1
+        self.pending_host = [c + 1 for c in self.pending_host]
     def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
         """Run pending tokens + root; returns drafter logits [B, V] at the root."""
         B, P = self.pending.shape

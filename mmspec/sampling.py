@@ -8,6 +8,7 @@ math runs in float32 or wider (float64 models stay float64).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,17 @@ class SamplingConfig:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
-        if self.top_p is not None and not (0.0 < float(self.top_p) <= 1.0):
-            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {k!r}")
+        p = self.top_p
+        if p is not None and (
+            isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0.0 < p <= 1.0
+        ):
+            raise ValueError(f"top_p must be None or a number in (0, 1], got {p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -48,16 +54,33 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
         return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(x.dtype)
     x = x / config.temperature
     if config.top_k is not None and config.top_k < x.shape[-1]:
+        # Like transformers' TopKLogitsWarper: every token tied with the k-th largest stays.
         kth = torch.topk(x, config.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if config.top_p is not None and config.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sorted_p = sorted_x.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= config.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        # The same operations as transformers' TopPLogitsWarper (min_tokens_to_keep=1), so the
+        # kept set is identical, ties at the nucleus boundary and float rounding included:
+        # ascending sort (the same call, so ties are ordered the same way: on CPU the higher
+        # ids of a tie sort later and are kept), drop the low tail whose cumulative mass is
+        # <= 1 - top_p, always keep the largest.
+        sorted_x, order = torch.sort(x, descending=False)
+        drop_sorted = sorted_x.softmax(-1).cumsum(-1) <= (1 - config.top_p)
+        drop_sorted[..., -1:] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x.softmax(-1)
+
+
+def check_finite_probs(probs: torch.Tensor, what: str) -> torch.Tensor:
+    """Raise a ValueError naming `what` (e.g. "drafter logits") when `probs` holds NaN or
+    inf; returns `probs` unchanged otherwise. One device sync: call it once per step."""
+    if not bool(torch.isfinite(probs).all()):
+        kind = "NaN" if bool(torch.isnan(probs).any()) else "inf"
+        raise ValueError(
+            f"{what} contain {kind} values; mmspec will not sample from them. Check the model that produced "
+            "them (weights, dtype overflow, e.g. float16 on CPU) and the sampling settings"
+        )
+    return probs
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

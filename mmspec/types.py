@@ -25,6 +25,10 @@ class TreeConfig:
     num_nodes: int = 24
 
     def __post_init__(self) -> None:
+        for name in ("depth", "top_k", "num_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"TreeConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
         if self.depth < 1:
             raise ValueError(f"TreeConfig.depth must be >= 1, got {self.depth}")
         if self.top_k < 1:

@@ -53,7 +53,7 @@ def test_guided_greedy_equals_reference_cfg(target, good_drafter, tree, schedule
     assert not torch.equal(ref, plain)  # guidance changes the output, so the test can fail
     guided = mmspec.GuidedTarget(target, scale, uncond_input_ids=uncond_prompts(4))
     out = mmspec.speculative_generate(
-        guided, ModelDrafter(good_drafter, num_draft_tokens=3, tree=tree), ids, mask,
+        guided, ModelDrafter(good_drafter, tree=tree) if tree else ModelDrafter(good_drafter, 3), ids, mask,
         temperature=0, max_new_tokens=N,
     )
     assert torch.equal(out.sequences[:, ids.shape[1]:], ref)
@@ -121,7 +121,7 @@ def test_guided_exact_sampling_matches_enumerated_joint(tree):
     unguided = guided_joint_23(model, prompt, 1.0, sampling)
     out = mmspec.speculative_generate(
         mmspec.GuidedTarget(model, scale, uncond_input_ids=uncond_prompts(SAMPLES)),
-        ModelDrafter(drafter, num_draft_tokens=3, tree=tree), prompt.expand(SAMPLES, -1),
+        ModelDrafter(drafter, tree=tree) if tree else ModelDrafter(drafter, 3), prompt.expand(SAMPLES, -1),
         acceptance="exact", temperature=0.9, max_new_tokens=3, generator=torch.Generator().manual_seed(7),
     )
     new = out.sequences[:, 4:]

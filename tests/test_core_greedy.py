@@ -28,7 +28,7 @@ def test_greedy_equals_generate(target, weak_drafter, good_drafter, tree, which)
     ids, mask = left_padded(LENGTHS)
     ref = reference(target, ids, mask, 24)
     out = mmspec.speculative_generate(
-        target, ModelDrafter(drafter_model, num_draft_tokens=4, tree=tree), ids, mask,
+        target, (ModelDrafter(drafter_model, tree=tree) if tree else ModelDrafter(drafter_model, 4)), ids, mask,
         temperature=0, max_new_tokens=24, pad_token_id=0,
     )
     assert torch.equal(out.sequences, ref)

@@ -52,7 +52,7 @@ def test_sliding_window_models_equal_their_own_decoding(name, tree):
     ids, mask = left_padded([9, 5, 7, 3])
     n = 12
     ref = plain_greedy(model, ids, mask, n)
-    out = mmspec.speculative_generate(model, ModelDrafter(model, 3, tree=tree), ids, mask, temperature=0,
+    out = mmspec.speculative_generate(model, ModelDrafter(model, tree=tree) if tree else ModelDrafter(model, 3), ids, mask, temperature=0,
                                       max_new_tokens=n)
     assert torch.equal(out.sequences[:, ids.shape[1]:], ref)
     if name == "mistral":  # the window changes the output, so ignoring it would fail this test

@@ -17,7 +17,7 @@ TREE = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)
 def generate(target, drafter_model, rule, tree=None, seed=11, temperature=1.0):
     ids, mask = left_padded([6, 4, 5, 3] * 4)
     return mmspec.speculative_generate(
-        target, ModelDrafter(drafter_model, num_draft_tokens=3, tree=tree), ids, mask, acceptance=rule,
+        target, (ModelDrafter(drafter_model, tree=tree) if tree else ModelDrafter(drafter_model, 3)), ids, mask, acceptance=rule,
         temperature=temperature, max_new_tokens=12, generator=torch.Generator().manual_seed(seed),
     )
 

@@ -67,7 +67,7 @@ def test_exact_sampling_matches_enumerated_joint(pair, temperature, top_k, tree)
     expected = joint_23(target, prompt, sampling)
     g = torch.Generator().manual_seed(2024)
     out = mmspec.speculative_generate(
-        target, ModelDrafter(drafter, num_draft_tokens=3, tree=tree), prompt.expand(SAMPLES, -1),
+        target, (ModelDrafter(drafter, tree=tree) if tree else ModelDrafter(drafter, 3)), prompt.expand(SAMPLES, -1),
         acceptance="exact", temperature=temperature, top_k=top_k, max_new_tokens=3, generator=g,
     )
     new = out.sequences[:, 4:]

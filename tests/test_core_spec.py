@@ -129,7 +129,7 @@ def test_toy_model_equals_its_own_plain_decoding(tree, drafter_seed):
     n = 14
     ref = plain_greedy(target, ids, mask, offsets, n)
     out = mmspec.speculative_generate(
-        mmspec.SpecTarget(ToySpec(target)), ModelDrafter(ToySpec(drafter), num_draft_tokens=3, tree=tree),
+        mmspec.SpecTarget(ToySpec(target)), ModelDrafter(ToySpec(drafter), tree=tree) if tree else ModelDrafter(ToySpec(drafter), 3),
         ids, mask, temperature=0, max_new_tokens=n, offset=offsets,
     )
     assert torch.equal(out.sequences[:, ids.shape[1]:], ref)

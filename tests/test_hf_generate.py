@@ -44,3 +44,106 @@ def test_custom_generate_refuses_unsupported_processors(target, good_drafter):
                         drafter=ModelDrafter(good_drafter, 3))
     with pytest.raises(ValueError, match="drafter"):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=speculative_decoding)
+
+
+# ---- options generate() hands to the callable: honoured exactly, or refused by name ----------
+
+def _gen(model, drafter_model, **kw):
+    ids, mask = left_padded([7, 4, 6])
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, pad_token_id=0)
+    args.update(kw)
+    spec = model.generate(**args, custom_generate=speculative_decoding, drafter=ModelDrafter(drafter_model, 3))
+    return spec, args
+
+
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        (dict(num_beams=3), r"num_beams=3"),
+        (dict(num_beams=2, do_sample=True), r"num_beams=2"),
+        (dict(max_time=5.0), r"max_time"),
+        (dict(return_dict_in_generate=True, output_scores=True), r"output_scores=True"),
+        (dict(return_dict_in_generate=True, output_logits=True), r"output_logits=True"),
+        (dict(return_dict_in_generate=True, output_hidden_states=True), r"output_hidden_states=True"),
+        (dict(return_dict_in_generate=True, output_attentions=True), r"output_attentions=True"),
+        (dict(penalty_alpha=0.6, top_k=4), r"contrastive_search"),
+    ],
+    ids=["beams", "beam-sample", "max_time", "scores", "logits", "hidden", "attentions", "contrastive"],
+)
+def test_custom_generate_refuses_options_it_cannot_honour(target, good_drafter, kw, word):
+    with pytest.raises(ValueError, match=word):
+        _gen(target, good_drafter, **kw)
+
+
+def test_custom_generate_refuses_unhonoured_explicit_processors_and_criteria(target, good_drafter):
+    from transformers import MaxTimeCriteria, StoppingCriteria
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with pytest.raises(ValueError, match=r"TopKLogitsWarper with greedy"):
+        _gen(target, good_drafter, do_sample=False, logits_processor=[TopKLogitsWarper(2)])
+    with pytest.raises(ValueError, match=r"filter_value"):
+        _gen(target, good_drafter, do_sample=True, logits_processor=[TopKLogitsWarper(2, filter_value=-5.0)])
+    with pytest.raises(ValueError, match=r"TopPLogitsWarper', 'TopKLogitsWarper'.*temperature, then top-k"):
+        # generate appends its own TopK(50) after the explicit TopP: top-p before top-k
+        _gen(target, good_drafter, do_sample=True, logits_processor=[TopPLogitsWarper(0.9)])
+    with pytest.raises(ValueError, match=r"each once"):
+        _gen(target, good_drafter, do_sample=True, temperature=0.7, logits_processor=[TemperatureLogitsWarper(0.5)],
+             top_k=0)
+    with pytest.raises(ValueError, match=r"MaxTimeCriteria"):
+        _gen(target, good_drafter, stopping_criteria=[MaxTimeCriteria(5.0)])
+    with pytest.raises(ValueError, match=r"Never"):
+        _gen(target, good_drafter, stopping_criteria=[Never()])
+
+
+def test_custom_generate_refuses_inputs_embeds(target, good_drafter):
+    ids, mask = left_padded([5, 5])
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        target.generate(inputs_embeds=target.get_input_embeddings()(ids), attention_mask=mask, max_new_tokens=4,
+                        pad_token_id=0, custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
+
+
+def test_custom_generate_honours_explicit_stopping_criteria(target, good_drafter):
+    """A MaxLengthCriteria / EosTokenCriteria passed explicitly replaces generate's own; the
+    speculative output equals transformers' own decoding with the same list."""
+    from transformers import EosTokenCriteria, MaxLengthCriteria
+
+    plain, args = _gen(target, good_drafter, do_sample=False, eos_token_id=None)
+    eos = int(plain[0, 7 + 4])  # a token row 0 emits mid-way: stopping there must matter
+    for crit in ([MaxLengthCriteria(11)], [EosTokenCriteria(eos)]):
+        spec, args = _gen(target, good_drafter, do_sample=False, stopping_criteria=crit)
+        ref = target.generate(**args)
+        assert torch.equal(spec, ref), (crit, spec[:, 7:], ref[:, 7:])
+        assert spec.shape[1] < plain.shape[1] or (spec == 0).sum() > (plain == 0).sum()  # it did stop earlier
+
+
+def test_custom_generate_honours_explicit_warpers(target, good_drafter):
+    """logits_processor=[TopKLogitsWarper(1)] with do_sample=True replaces generate's
+    TopK(50): sampling from the top-1 set is deterministic, so the output must equal
+    transformers' own decoding with the same list token for token."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    spec, args = _gen(target, good_drafter, do_sample=True, logits_processor=[TopKLogitsWarper(1)])
+    torch.manual_seed(0)
+    ref = target.generate(**args)
+    assert torch.equal(spec, ref)
+
+
+def test_custom_generate_return_dict_and_num_return_sequences(target, good_drafter):
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    out, args = _gen(target, good_drafter, do_sample=False, return_dict_in_generate=True)
+    ref = target.generate(**args)
+    assert isinstance(out, GenerateDecoderOnlyOutput) and torch.equal(out.sequences, ref.sequences)
+    assert out.scores is None and out.logits is None
+    out, stats = target.generate(**args, custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3),
+                                 return_stats=True)
+    assert torch.equal(out.sequences, ref.sequences) and isinstance(stats, mmspec.SpecStats)
+    # num_return_sequences with sampling: generate repeats each prompt; top_k=1 makes every copy
+    # deterministic, so each must equal transformers' own output row for row.
+    spec, args = _gen(target, good_drafter, do_sample=True, top_k=1, num_return_sequences=2)
+    ref = target.generate(**args)
+    assert spec.shape == ref.shape == (6, 7 + 12) and torch.equal(spec, ref)

@@ -91,7 +91,7 @@ def test_packed_greedy_equals_plain_generate(llama32):
     target = HFTarget(llama32, prepack=True)
     assert isinstance(target.runner.spec.model.lm_head, PackedLinear)
     for draft_model, tree in ((drafter, None), (drafter, mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6))):
-        d = ModelDrafter(draft_model, 3, tree, prepack=True)
+        d = (ModelDrafter(draft_model, tree=tree, prepack=True) if tree else ModelDrafter(draft_model, 3, prepack=True))
         out = mmspec.speculative_generate(target, d, ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
         assert torch.equal(out.sequences, ref.sequences), (out.sequences[:, 9:], ref.sequences[:, 9:])
         assert out.stats.mean_accepted_length > 1.0

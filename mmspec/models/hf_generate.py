@@ -9,11 +9,22 @@ image inputs, logits processors, stopping criteria, left-padding checks) and the
 callable in place of its decoding loop, batches included. Keyword arguments that `_sample`
 does not know (`drafter`, `acceptance`, `return_stats`) are routed to us.
 
-Supported processing: the sampling warpers generate builds from the generation config
-(temperature, top-k, top-p) are mapped onto `mmspec.SamplingConfig`, and EOS / max-length
-stopping onto the loop's own. Any other logits processor or stopping criterion would change
-the target distribution in a way the acceptance rule must see per draft position; rather
-than ignore it silently we raise a ValueError that names it.
+What is honoured, exactly: greedy search and sampling (`do_sample`), with the sampling
+warpers in the prepared `logits_processor` list (TemperatureLogitsWarper, TopKLogitsWarper,
+TopPLogitsWarper, in that order, whether built from the generation config or passed
+explicitly; several TopK filters keep the smallest k) mapped onto `mmspec.SamplingConfig`; the prepared stopping criteria
+MaxLengthCriteria (the smallest max_length wins) and EosTokenCriteria (its token ids);
+`num_return_sequences` with sampling (generate has already repeated the rows);
+`return_dict_in_generate=True` (a `GenerateDecoderOnlyOutput` holding `.sequences`).
+
+Refused with a ValueError naming the option (never silently ignored): beam search and the
+other decoding modes (`num_beams > 1`, `penalty_alpha`, `dola_layers`, prompt lookup),
+`max_time`, any other logits processor or stopping criterion (repetition penalty,
+stop strings, ...: they would change the target distribution in a way the acceptance
+rule must see per draft position), warpers with a non-default `filter_value` /
+`min_tokens_to_keep`, warpers under greedy decoding, `output_scores` / `output_logits` /
+`output_attentions` / `output_hidden_states` with `return_dict_in_generate`, `streamer`
+and `inputs_embeds`.
 """
 
 from __future__ import annotations
@@ -22,11 +33,118 @@ import torch
 
 from mmspec.engine import speculative_generate
 
-_ALLOWED_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
-_ALLOWED_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "MaxTimeCriteria"}
+_WARPER_ORDER = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # mmspec.process_logits order
+_ALLOWED_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}
 # generate() prepares these for its own loop; the speculative loop manages its own cache.
 _DROPPED_KWARGS = {"use_cache", "logits_to_keep", "past_key_values", "cache_position", "output_attentions", "output_hidden_states",
                    "return_dict_in_generate", "position_ids"}
+_OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def _check_mode(cfg) -> None:
+    """Only greedy search and multinomial sampling are speculative-decoded."""
+    if getattr(cfg, "num_beams", 1) not in (None, 1):
+        raise ValueError(
+            f"num_beams={cfg.num_beams} is not supported by speculative decoding (it decodes one sequence per row); "
+            "use num_beams=1, or call generate without custom_generate for beam search"
+        )
+    mode = cfg.get_generation_mode()
+    name = getattr(mode, "value", str(mode))
+    if name not in ("greedy_search", "sample"):
+        raise ValueError(
+            f"generation mode {name!r} (from the generation config: penalty_alpha, dola_layers, prompt_lookup_num_tokens, "
+            "assistant, ...) is not supported by speculative decoding; only greedy search and sampling are"
+        )
+    if getattr(cfg, "max_time", None) is not None:
+        raise ValueError(
+            f"max_time={cfg.max_time} is not supported by the speculative loop (it would not stop on time); "
+            "remove max_time and bound the output with max_new_tokens"
+        )
+    if cfg.return_dict_in_generate:
+        asked = [f for f in _OUTPUT_FLAGS if getattr(cfg, f, False)]
+        if asked:
+            raise ValueError(
+                f"{', '.join(f'{f}=True' for f in asked)} with return_dict_in_generate=True: the speculative loop "
+                "returns only .sequences (its verify forwards score several positions at once); drop these flags "
+                "or call generate without custom_generate"
+            )
+
+
+def _sampling_from_processors(logits_processor, do_sample: bool) -> tuple[float, int | None, float | None]:
+    """(temperature, top_k, top_p) from the prepared warpers, which are the truth: generate has
+    already merged the ones built from the generation config with any passed explicitly."""
+    procs = list(logits_processor or [])
+    names = [type(p).__name__ for p in procs]
+    for proc, name in zip(procs, names):
+        if name not in _WARPER_ORDER:
+            raise ValueError(
+                f"logits_processor {name} is not supported in speculative verification; remove the generation "
+                "option or logits_processor entry that adds it (only temperature, top_k and top_p are supported)"
+            )
+        if not do_sample:
+            raise ValueError(
+                f"logits_processor {name} with greedy decoding (do_sample=False): the speculative loop decodes "
+                "greedily on the raw logits; remove it or pass do_sample=True"
+            )
+        if name != "TemperatureLogitsWarper":
+            fv = float(getattr(proc, "filter_value", float("-inf")))
+            keep = int(getattr(proc, "min_tokens_to_keep", 1))
+            if fv != float("-inf") or keep != 1:
+                raise ValueError(
+                    f"logits_processor {name}(filter_value={fv}, min_tokens_to_keep={keep}) is not supported; "
+                    "only filter_value=-inf and min_tokens_to_keep=1 are (the generate defaults)"
+                )
+    ranks = [_WARPER_ORDER.index(n) for n in names]
+    twice = [n for n in ("TemperatureLogitsWarper", "TopPLogitsWarper") if names.count(n) > 1]
+    if twice or ranks != sorted(ranks):
+        raise ValueError(
+            f"logits_processor list {names} (generate's own warpers merged with the ones passed) is not supported: "
+            f"the speculative loop applies temperature, then top-k, then top-p, each once; pass the settings as "
+            "temperature=, top_k=, top_p= instead of logits_processor entries"
+        )
+    if not do_sample:
+        return 0.0, None, None
+    temperature, top_k, top_p = 1.0, None, None
+    for proc, name in zip(procs, names):
+        if name == "TemperatureLogitsWarper":
+            temperature = float(proc.temperature)
+        elif name == "TopKLogitsWarper":
+            # Consecutive top-k filters keep the top-min(k) set (ties at the k-th value included).
+            top_k = int(proc.top_k) if top_k is None else min(top_k, int(proc.top_k))
+        else:
+            top_p = float(proc.top_p)
+    return temperature, top_k, top_p
+
+
+def _stopping(stopping_criteria, prompt_len: int) -> tuple[int, list[int] | None]:
+    """(max_new_tokens, eos ids) from the prepared stopping criteria."""
+    max_lengths, eos = [], []
+    has_eos = False
+    for crit in stopping_criteria or []:
+        name = type(crit).__name__
+        if name == "MaxTimeCriteria":
+            raise ValueError(
+                "max_time / MaxTimeCriteria is not supported by the speculative loop (it would not stop on time); "
+                "bound the output with max_new_tokens instead"
+            )
+        if name not in _ALLOWED_CRITERIA:
+            raise ValueError(
+                f"stopping criterion {name} is not supported by the speculative loop; "
+                "use max_new_tokens and eos_token_id instead"
+            )
+        if name == "MaxLengthCriteria":
+            max_lengths.append(int(crit.max_length))
+        else:
+            has_eos = True
+            eos += [int(t) for t in torch.as_tensor(crit.eos_token_id).flatten().tolist()]
+    if not max_lengths:
+        raise ValueError("generate prepared no MaxLengthCriteria; pass max_new_tokens or max_length")
+    max_new = min(max_lengths) - prompt_len
+    if max_new < 1:
+        raise ValueError(
+            f"max_length={min(max_lengths)} leaves no room after the {prompt_len}-token prompt; pass max_new_tokens >= 1"
+        )
+    return max_new, (sorted(set(eos)) if has_eos else None)
 
 
 def speculative_decoding(
@@ -42,33 +160,25 @@ def speculative_decoding(
     return_stats: bool = False,
     **model_kwargs,
 ):
-    """`custom_generate` callable: returns the sequences [B, L + N] (and the `SpecStats` when
-    `return_stats=True`)."""
+    """`custom_generate` callable: returns the sequences [B, L + N], or a
+    `GenerateDecoderOnlyOutput` with `.sequences` when `return_dict_in_generate=True` (and
+    the `SpecStats` as a second element when `return_stats=True`)."""
     if drafter is None:
         raise ValueError("drafter is required: pass drafter=mmspec.drafters.ModelDrafter(small_model) to generate()")
     if streamer is not None:
         raise ValueError("streamer is not supported by the speculative loop; call generate without streamer=")
-    for proc in logits_processor or []:
-        if type(proc).__name__ not in _ALLOWED_PROCESSORS:
-            raise ValueError(
-                f"logits_processor {type(proc).__name__} is not supported in speculative verification; "
-                "remove the generation option that adds it (only temperature, top_k and top_p are supported)"
-            )
-    for crit in stopping_criteria or []:
-        if type(crit).__name__ not in _ALLOWED_CRITERIA:
-            raise ValueError(
-                f"stopping criterion {type(crit).__name__} is not supported by the speculative loop; "
-                "use max_new_tokens and eos_token_id instead"
-            )
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(
+            "inputs_embeds is not supported by the speculative loop (the drafter needs token ids); pass input_ids"
+        )
     cfg = generation_config
-    temperature = float(cfg.temperature if cfg.temperature is not None else 1.0) if cfg.do_sample else 0.0
-    top_k = cfg.top_k if cfg.do_sample and cfg.top_k else None
-    top_p = cfg.top_p if cfg.do_sample and cfg.top_p is not None and cfg.top_p < 1.0 else None
-    max_new = int(cfg.max_length) - input_ids.shape[1]
-    eos = cfg.eos_token_id
-    pad = cfg.pad_token_id
+    _check_mode(cfg)
+    temperature, top_k, top_p = _sampling_from_processors(logits_processor, bool(cfg.do_sample))
+    max_new, eos = _stopping(stopping_criteria, input_ids.shape[1])
+    pad = getattr(cfg, "_pad_token_tensor", None)  # what generate pads finished rows with
+    pad = cfg.pad_token_id if pad is None else int(torch.as_tensor(pad).flatten()[0])
     if pad is None:
-        pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+        pad = eos[0] if eos else 0
     attention_mask = model_kwargs.pop("attention_mask", None)
     extra = {k: v for k, v in model_kwargs.items() if k not in _DROPPED_KWARGS and v is not None}
     out = speculative_generate(
@@ -76,4 +186,9 @@ def speculative_decoding(
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos, pad_token_id=int(pad),
         **extra,
     )
-    return (out.sequences, out.stats) if return_stats else out.sequences
+    result = out.sequences
+    if cfg.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        result = GenerateDecoderOnlyOutput(sequences=out.sequences)
+    return (result, out.stats) if return_stats else result

@@ -1,0 +1,90 @@
+"""Bad inputs are refused with a TypeError/ValueError that names the offending argument and
+says what to do, never a crash from deep inside torch/transformers or a silent wrong answer.
+One table: each row builds the bad call from tiny float64 models (vocabulary 40)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.acceptance import ExactAcceptance, get_rule
+from mmspec.drafters import ModelDrafter
+from mmspec import sampling
+from mmspec.sampling import SamplingConfig
+
+from conftest import VOCAB, left_padded, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_llama(layers=1, seed=0), tiny_llama(layers=1, seed=1)
+
+
+def _generate(models, drafter=None, **kw):
+    target, small = models
+    ids, mask = left_padded([4, 3])
+    args = dict(temperature=1.0, max_new_tokens=3, generator=torch.Generator().manual_seed(0))
+    args.update(kw)
+    return mmspec.speculative_generate(target, drafter or ModelDrafter(small, 2), ids, mask, **args)
+
+
+_NAN_PROBS = torch.tensor([[0.5, float("nan"), 0.5]])
+_INF_PROBS = torch.tensor([[0.5, float("inf"), 0.5]])
+
+CASES = [
+    # (id, call(models), exception, message pattern)
+    ("tree-depth-float", lambda m: mmspec.TreeConfig(depth=2.5), TypeError, r"TreeConfig\.depth must be an int"),
+    ("tree-top_k-bool", lambda m: mmspec.TreeConfig(top_k=True), TypeError, r"TreeConfig\.top_k must be an int"),
+    ("tree-num_nodes-str", lambda m: mmspec.TreeConfig(num_nodes="8"), TypeError, r"TreeConfig\.num_nodes"),
+    ("tree-top_k-over-vocab",
+     lambda m: ModelDrafter(m[1], tree=mmspec.TreeConfig(depth=2, top_k=50, num_nodes=8)),
+     ValueError, r"top_k=50 exceeds the drafter's vocabulary of 40"),
+    ("drafter-K-bool", lambda m: ModelDrafter(m[1], True), TypeError, r"num_draft_tokens must be an int"),
+    ("drafter-K-float", lambda m: ModelDrafter(m[1], 2.0), TypeError, r"num_draft_tokens must be an int"),
+    ("drafter-K-with-tree",
+     lambda m: ModelDrafter(m[1], 3, tree=mmspec.TreeConfig(depth=2, top_k=2, num_nodes=4)),
+     ValueError, r"num_draft_tokens=3 has no effect with tree="),
+    ("temperature-nan", lambda m: SamplingConfig(temperature=math.nan), ValueError, r"temperature must be a finite"),
+    ("temperature-inf", lambda m: SamplingConfig(temperature=math.inf), ValueError, r"temperature must be a finite"),
+    ("temperature-nan-generate", lambda m: _generate(m, temperature=math.nan), ValueError, r"temperature"),
+    ("top_k-bool", lambda m: SamplingConfig(top_k=True), ValueError, r"top_k must be None or an int"),
+    ("top_k-bool-generate", lambda m: _generate(m, top_k=True), ValueError, r"top_k"),
+    ("top_p-nan", lambda m: SamplingConfig(top_p=math.nan), ValueError, r"top_p must be None or a number in \(0, 1\]"),
+    ("top_p-bool", lambda m: SamplingConfig(top_p=True), ValueError, r"top_p must be None"),
+    ("rule-class", lambda m: get_rule(ExactAcceptance), TypeError, r"ExactAcceptance is a class; pass an instance"),
+    ("rule-class-generate", lambda m: _generate(m, acceptance=ExactAcceptance), TypeError, r"pass an instance"),
+    ("lantern-no-codebook", lambda m: get_rule("lantern"), ValueError, r"'lantern' needs its codebook.*acceptance_kwargs"),
+    ("lantern-no-codebook-generate", lambda m: _generate(m, acceptance="lantern"), ValueError, r"codebook"),
+    ("gsd-no-embeddings", lambda m: get_rule("gsd"), ValueError, r"'gsd' needs its embeddings.*acceptance_kwargs"),
+    ("cluster-no-labels", lambda m: get_rule("cluster_exact"), ValueError, r"'cluster_exact' needs its labels"),
+    ("rule-unknown-kwarg", lambda m: get_rule("typical", epsilonn=0.1), TypeError, r"'typical' takes no argument.*epsilonn"),
+    ("rule-object-with-kwargs", lambda m: get_rule(ExactAcceptance(), k=3), ValueError, r"by name only"),
+    ("probs-nan", lambda m: sampling.check_finite_probs(_NAN_PROBS, "drafter probabilities"), ValueError,
+     r"drafter probabilities contain NaN"),
+    ("probs-inf", lambda m: sampling.check_finite_probs(_INF_PROBS, "target probabilities"), ValueError,
+     r"target probabilities contain inf"),
+]
+
+
+@pytest.mark.parametrize("call,exc,pattern", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_clearly(models, call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call(models)
+
+
+def test_good_inputs_still_pass(models):
+    """The checks refuse only what they should: the valid neighbours of the rows above work."""
+    assert mmspec.TreeConfig(depth=2, top_k=4, num_nodes=8).top_k == 4
+    ModelDrafter(models[1], tree=mmspec.TreeConfig(depth=2, top_k=VOCAB, num_nodes=8))  # top_k == V is fine
+    default = ModelDrafter(models[1])  # chains default to the adaptive draft length, at most 8
+    assert default.adaptive and default.num_draft_tokens == 8 and ModelDrafter(models[1], 0).num_draft_tokens == 0
+    assert SamplingConfig(temperature=0, top_k=3, top_p=1).greedy
+    codebook = torch.randn(VOCAB, 4, generator=torch.Generator().manual_seed(0))
+    assert get_rule("lantern", codebook=codebook, k=5).__class__.__name__ == "LanternAcceptance"
+    probs = torch.softmax(torch.randn(2, 5, dtype=torch.float64), -1)
+    assert sampling.check_finite_probs(probs, "x") is probs
+    out = _generate(models, acceptance=get_rule("typical", epsilon=0.1))
+    assert out.sequences.shape == (2, 4 + 3)
