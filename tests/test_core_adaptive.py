@@ -1,0 +1,95 @@
+"""Adaptive draft length (`num_draft_tokens="auto"`): lossless (greedy equality and the exact
+sampling chi-square hold whatever K the controller picks), and the controller's choices
+follow measured costs and acceptance (fed synthetic measurements, so deterministic)."""
+
+from __future__ import annotations
+
+import torch
+
+import mmspec
+from mmspec.adaptive import DraftLengthController
+from mmspec.drafters import ModelDrafter
+
+from conftest import left_padded, noisy_copy, tiny_llama
+from test_core_sampling import V, chi_square_p, joint_23
+
+
+def test_auto_greedy_equals_generate(target, weak_drafter, good_drafter):
+    ids, mask = left_padded([9, 5, 7, 3])
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=0,
+                          eos_token_id=2)
+    assert (ref[:, ids.shape[1]:] == 2).any()  # a row ends early: EOS handling is exercised too
+    for model in (weak_drafter, good_drafter, target):
+        drafter = ModelDrafter(model)  # "auto" is the default for chains
+        out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=40,
+                                          eos_token_id=2, pad_token_id=0)
+        assert torch.equal(out.sequences, ref)
+        ks = out.stats.nodes_per_step
+        assert len(set(ks)) > 1 and max(ks) <= 8  # K really varied (warm-up probes at least)
+
+
+def test_auto_with_zero_steps_in_between_stays_exact(target, good_drafter):
+    """Force K = 0 on some steps (the drafter then defers its catch-up) and K > 0 on others."""
+    ids, mask = left_padded([6, 4])
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0,
+                          eos_token_id=2)
+    drafter = ModelDrafter(good_drafter, "auto", max_draft_tokens=5)
+    drafter.controller = DraftLengthController(5, warmup=(0, 0, 3, 0, 5, 0, 0, 0, 2, 1, 0, 4) * 3, probe_every=0)
+    out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=30, eos_token_id=2,
+                                      pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
+    assert 0 in out.stats.nodes_per_step and 5 in out.stats.nodes_per_step
+
+
+def test_auto_exact_sampling_matches_enumerated_joint():
+    target = tiny_llama(layers=2, seed=3, vocab=V, hidden=16)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    drafter = ModelDrafter(noisy_copy(target, 0.6, seed=9), "auto", max_draft_tokens=3)
+    prompt = torch.tensor([[1, 5, 3, 6]])
+    sampling = mmspec.SamplingConfig(1.0, None)
+    n = 12000
+    out = mmspec.speculative_generate(target, drafter, prompt.expand(n, -1), temperature=1.0, max_new_tokens=3,
+                                      generator=torch.Generator().manual_seed(11))
+    new = out.sequences[:, 4:]
+    counts = torch.zeros(V, V)
+    counts.index_put_((new[:, 1], new[:, 2]), torch.ones(n), accumulate=True)
+    assert chi_square_p(counts, joint_23(target, prompt, sampling), n) > 1e-4
+    assert chi_square_p(counts, joint_23(drafter.model, prompt, sampling), n) < 1e-4  # power
+
+
+def feed(ctrl, batch, steps, accept_prob, verify_s, draft_per_token_s, seed=0):
+    """Drive the controller with synthetic steps: each row accepts each draft with accept_prob."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        k = ctrl.choose(batch)
+        accepted = []
+        for _ in range(batch):
+            n = 0
+            while n < k and torch.rand(1, generator=g).item() < accept_prob:
+                n += 1
+            accepted.append(n)
+        ctrl.observe(batch, k, accepted, draft_per_token_s * k * batch, verify_s(batch, k + 1))
+    return ctrl.history[-8:]
+
+
+def flat_verify(b, q):  # memory-bound: a verify costs about one step whatever its width
+    return 0.010 + 0.0001 * b * q
+
+
+def test_controller_goes_long_with_good_drafts_and_off_with_bad_ones():
+    good = feed(DraftLengthController(8), 1, 60, 0.95, flat_verify, 0.0005)
+    assert sum(good) / len(good) >= 6
+    bad = feed(DraftLengthController(8), 1, 60, 0.02, flat_verify, 0.002)
+    assert sum(k == 0 for k in bad) >= 6  # speculation switched off (probes aside)
+    # Compute-bound verify at a large batch: long drafts stop paying.
+    wide = feed(DraftLengthController(8), 16, 60, 0.7, lambda b, q: 0.002 * b * q, 0.0001)
+    assert max(wide[:-1]) <= 3
+
+
+def test_controller_switches_back_on_when_acceptance_recovers():
+    ctrl = DraftLengthController(8)
+    feed(ctrl, 1, 60, 0.02, flat_verify, 0.002)
+    assert ctrl.history[-1] == 0 or ctrl.history[-2] == 0
+    recovered = feed(ctrl, 1, 80, 0.95, flat_verify, 0.002, seed=1)
+    assert sum(recovered) / len(recovered) >= 3
