@@ -82,13 +82,17 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
         p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the bench runs)")
 
 
+from mmspec.bench import SUITES  # noqa: E402  (a plain dict of names, no heavy imports)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmspec", description="Speculative decoding for VLMs and AR image generators")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="side-by-side speed table on a locally built pair (< 2 min on CPU)")
     _add_bench_options(p, demo=True)
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("bench", help="core benchmark: plain generate, assisted generation, mmspec")
+    p = sub.add_parser("bench", help="core benchmark: plain generate, assisted generation, mmspec; "
+                       f"`mmspec bench SUITE --help` for the suites {sorted(SUITES)}")
     _add_bench_options(p, demo=False)
     p.set_defaults(func=cmd_bench)
     from mmspec.testbed.commands import add_subparsers as add_testbed
@@ -99,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in mmspec downloads at run time
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in SUITES:
+        # `mmspec bench SUITE ...`: each suite parses its own options (mmspec/bench/__init__.py).
+        import importlib
+
+        module, func = SUITES[argv[1]].split(":")
+        return int(getattr(importlib.import_module(module), func)(argv[2:]) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -1,2 +1,8 @@
 """Measuring code behind `mmspec bench`, `mmspec demo` and the scripts in benchmarks/.
 Speed is always a ratio measured side by side in one run; nothing here is a test."""
+
+# `mmspec bench SUITE [options]`: suite name -> "module:function" taking the remaining argv.
+# (`mmspec bench` without a suite runs the core A/B table of mmspec/bench/core.py.)
+SUITES: dict[str, str] = {
+    "core": "mmspec.bench.draft_length:main",
+}
