@@ -136,6 +136,12 @@ def _hook_on_layer(m):
     return m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * 3.0 + 0.1)
 
 
+def _hook_on_root(m):
+    def hook(mod, args, out):
+        out.logits = out.logits * -1.0
+    return m.register_forward_hook(hook)
+
+
 def _hook_on_lm_head(m):
     shift = torch.linspace(-2, 2, V)
     return m.lm_head.register_forward_hook(lambda mod, args, out: out + shift)
@@ -164,6 +170,7 @@ def _monkeypatch_act(m):
 STALE_CASES = {
     "hook-added-on-layer": _hook_on_layer,
     "hook-added-on-linear": _hook_on_lm_head,
+    "hook-added-on-root": _hook_on_root,
     "lm_head-replaced": _replace_lm_head,
     "resize_token_embeddings": _resize,
     "load_state_dict-assign": _assign_state,
@@ -251,3 +258,16 @@ def test_unchanged_model_keeps_its_view_and_packed_weights():
     assert packed_model(model) is view  # rebuilt in place ...
     kept = [m._packed for m in view.modules() if isinstance(m, PackedLinear)]
     assert all(any(k is p for p in packed.values()) for k in kept)  # ... reusing the packed weights
+
+
+def test_view_does_not_keep_its_model_alive():
+    import gc
+
+    from mmspec.models import prepack
+
+    model = _llama32()
+    view = packed_model(model)
+    n = len(prepack._VIEWS)
+    del model, view
+    gc.collect()
+    assert len(prepack._VIEWS) == n - 1
