@@ -6,8 +6,6 @@ pipelines can pick a rule by name. Every rule implements `mmspec.AcceptanceRule`
 
 from __future__ import annotations
 
-import inspect
-
 from .base import ChainRule, check_chain_inputs
 from .cluster_exact import ClusterExactAcceptance
 from .continuous import ContinuousAcceptance, ContinuousResult
@@ -42,6 +40,16 @@ _TABLES: dict[str, tuple[str, str]] = {
 }
 
 
+def _init_params(cls) -> tuple[str, ...] | None:
+    """Keyword names `cls(...)` accepts (None: any, it takes **kwargs)."""
+    code = getattr(cls.__init__, "__code__", None)
+    if code is None:
+        return ()  # object.__init__: no arguments
+    if code.co_flags & 0x08:  # CO_VARKEYWORDS
+        return None
+    return code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+
+
 def get_rule(rule, **kwargs):
     """A rule object from a name in RULES, built with `kwargs` (e.g.
     `get_rule("lantern", codebook=cb, k=100)`), or a rule object itself (then `kwargs` must
@@ -62,11 +70,10 @@ def get_rule(rule, **kwargs):
                 f"acceptance_kwargs={{'{table}': ...}} or pass a rule object, e.g. "
                 f"acceptance={RULES[rule].__name__}({table}=...)"
             )
-        params = inspect.signature(RULES[rule]).parameters
-        unknown = sorted(k for k in kwargs if k not in params)
-        if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            known = list(params)
-            raise TypeError(f"acceptance={rule!r} takes no argument(s) {unknown}; its arguments are {known}")
+        params = _init_params(RULES[rule])
+        unknown = sorted(k for k in kwargs if params is not None and k not in params)
+        if unknown:
+            raise TypeError(f"acceptance={rule!r} takes no argument(s) {unknown}; its arguments are {list(params)}")
         return RULES[rule](**kwargs)
     if isinstance(rule, type):
         raise TypeError(

@@ -48,7 +48,10 @@ def drafter_spec(model, prepack) -> ForwardSpec:
     from mmspec.models.prepack import maybe_packed
 
     check_supported(model)
-    return HFSpec(maybe_packed(model, prepack), source=model)
+    run = maybe_packed(model, prepack)
+    spec = HFSpec(run, source=model)
+    spec.kernels = "prepacked" if run is not model else "stock"
+    return spec
 
 
 class ModelDrafter:

@@ -261,6 +261,8 @@ def speculative_generate(
         )
     rule = _resolve_rule(acceptance, acceptance_kwargs, sampling, target, drafter)
     stats = SpecStats(new_tokens=[0] * input_ids.shape[0], lossless=bool(rule.lossless))
+    kernels = [getattr(c, "kernels", "") for c in (target, drafter)]
+    stats.kernels = f"target {kernels[0] or 'n/a'}, drafter {kernels[1] or 'n/a'}"
     if max_new_tokens == 0:
         return SpecOutput(input_ids.clone(), stats)
     loop = _Loop(target, drafter, rule, sampling, generator, stats, input_ids.device)

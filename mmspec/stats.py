@@ -96,6 +96,7 @@ class SpecStats:
             f"{self.draft_calls}; mean accepted length {self.mean_accepted_length:.2f} "
             f"(drafts {self.mean_accepted_drafts:.2f}); per-position acceptance [{rates}]; "
             f"draft {self.draft_seconds:.2f}s / verify {self.verify_seconds:.2f}s"
+            + (f"; kernels: {self.kernels}" if self.kernels else "")
             + ("" if self.lossless else f"; lossy rule: distortion {self.distortion_total:.3f} total, "
                f"{self.mean_distortion:.4f} per row-step")
         )

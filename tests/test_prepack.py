@@ -64,7 +64,9 @@ def test_gradients_reach_the_real_weights(llama32):
 
 
 def test_should_prepack_rules(llama32):
-    assert should_prepack(llama32, "auto") is True
+    from mmspec.models.kernel_choice import measure
+
+    assert should_prepack(llama32, "auto") is measure(llama32)["prepack"]  # measured on this machine
     assert should_prepack(llama32, False) is False
     f64 = tiny_llama(layers=1, dtype=torch.float64)
     assert should_prepack(f64, "auto") is False  # exactness tests run in float64: never packed
@@ -115,3 +117,180 @@ def test_vlm_view_matches():
         ref = model(input_ids=ids, pixel_values=pixels).logits
         got = view(input_ids=ids, pixel_values=pixels).logits
     assert torch.allclose(got, ref, rtol=0, atol=1e-5 * ref.abs().max()), (got - ref).abs().max()
+
+
+# ---- the cached view never goes stale ----------------------------------------------------------
+
+def _llama32(seed=3, dropout=0.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attention_dropout=dropout, attn_implementation="eager",
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharper logits, like a trained LM: no near-ties in greedy checks
+    return model
+
+
+def _hook_on_layer(m):
+    return m.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * 3.0 + 0.1)
+
+
+def _hook_on_root(m):
+    def hook(mod, args, out):
+        out.logits = out.logits * -1.0
+    return m.register_forward_hook(hook)
+
+
+def _hook_on_lm_head(m):
+    shift = torch.linspace(-2, 2, V)
+    return m.lm_head.register_forward_hook(lambda mod, args, out: out + shift)
+
+
+def _replace_lm_head(m):
+    torch.manual_seed(99)
+    m.lm_head = torch.nn.Linear(48, V, bias=False)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(8.0)
+
+
+def _resize(m):
+    torch.manual_seed(98)
+    m.resize_token_embeddings(V + 8)
+
+
+def _assign_state(m):
+    m.load_state_dict(_llama32(seed=11).state_dict(), assign=True)
+
+
+def _monkeypatch_act(m):
+    m.model.layers[1].mlp.act_fn = torch.nn.Tanh()
+
+
+STALE_CASES = {
+    "hook-added-on-layer": _hook_on_layer,
+    "hook-added-on-linear": _hook_on_lm_head,
+    "hook-added-on-root": _hook_on_root,
+    "lm_head-replaced": _replace_lm_head,
+    "resize_token_embeddings": _resize,
+    "load_state_dict-assign": _assign_state,
+    "submodule-swapped": _monkeypatch_act,
+}
+
+
+@pytest.mark.parametrize("change", list(STALE_CASES.values()), ids=list(STALE_CASES))
+def test_view_follows_structural_changes(change):
+    """First use builds and caches the view; after the model changes, the view handed out
+    computes what the model now computes (and the change matters)."""
+    model = _llama32()
+    ids = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        packed_model(model)(input_ids=ids)  # first use
+        view = packed_model(model)
+        change(model)
+        ref = model(input_ids=ids).logits
+        got = packed_model(model)(input_ids=ids).logits
+        again = view(input_ids=ids).logits  # a runner holding the old view object sees the change too
+    assert ref.shape != before.shape or not torch.allclose(ref, before, atol=1e-2)  # the change matters
+    assert got.shape == ref.shape and torch.allclose(got, ref, rtol=0, atol=1e-5 * ref.abs().max()), (got - ref).abs().max()
+    assert torch.allclose(again, ref, rtol=0, atol=1e-5 * ref.abs().max())
+
+
+def test_removed_hook_and_refresh_of_a_held_view():
+    from mmspec.models.prepack import refresh
+
+    model = _llama32()
+    ids = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        handle = _hook_on_layer(model)
+        view = packed_model(model)  # built with the hook
+        hooked = model(input_ids=ids).logits
+        assert torch.allclose(view(input_ids=ids).logits, hooked, rtol=0, atol=1e-5 * hooked.abs().max())
+        handle.remove()
+        assert refresh(view) is view  # in place: runners keep their object
+        got = view(input_ids=ids).logits
+    assert not torch.allclose(hooked, plain, atol=1e-2)
+    assert torch.allclose(got, plain, rtol=0, atol=1e-5 * plain.abs().max())
+    assert refresh(model) is model  # not a view: returned as is
+
+
+def test_eval_after_a_train_mode_call_turns_dropout_off():
+    model = _llama32(dropout=0.5).train()
+    ids = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        a, b = (packed_model(model)(input_ids=ids).logits for _ in range(2))
+        assert not torch.allclose(a, b, atol=1e-3)  # train mode: dropout is on (first call)
+        model.eval()
+        ref = model(input_ids=ids).logits
+        got = packed_model(model)(input_ids=ids).logits
+    assert torch.allclose(got, ref, rtol=0, atol=1e-5 * ref.abs().max())
+
+
+@pytest.mark.parametrize("change", [_hook_on_lm_head, _replace_lm_head, _assign_state],
+                         ids=["hook-on-lm_head", "lm_head-replaced", "load_state_dict-assign"])
+def test_speculative_greedy_equals_generate_after_the_model_changed(change):
+    """End to end: a first speculative_generate call caches the view; after the change the
+    next call still equals the model's own greedy generate."""
+    model = _llama32(seed=5)
+    drafter = noisy_copy(model, 0.3)
+    ids, mask = left_padded([6, 4, 5], vocab=V, seed=12)
+    N = 10
+    mmspec.speculative_generate(model, ModelDrafter(drafter, 3), ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
+    change(model)
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, min_new_tokens=N,
+                         pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(ref.scores, 1).topk(2, -1).values
+    assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-3  # no near-tie: float32 comparison is meaningful
+    out = mmspec.speculative_generate(model, ModelDrafter(drafter, 3), ids, mask, temperature=0, max_new_tokens=N,
+                                      pad_token_id=0)
+    assert torch.equal(out.sequences, ref.sequences), (out.sequences[:, 6:], ref.sequences[:, 6:])
+
+
+def test_unchanged_model_keeps_its_view_and_packed_weights():
+    model = _llama32()
+    view = packed_model(model)
+    packed = {id(m): m._packed for m in view.modules() if isinstance(m, PackedLinear)}
+    assert packed_model(model) is view
+    assert {id(m): m._packed for m in view.modules() if isinstance(m, PackedLinear)} == packed  # nothing rebuilt
+    model.model.layers[0].register_forward_pre_hook(lambda mod, args: None)
+    assert packed_model(model) is view  # rebuilt in place ...
+    kept = [m._packed for m in view.modules() if isinstance(m, PackedLinear)]
+    assert all(any(k is p for p in packed.values()) for k in kept)  # ... reusing the packed weights
+
+
+def test_view_does_not_keep_its_model_alive():
+    import gc
+
+    from mmspec.models import prepack
+
+    model = _llama32()
+    view = packed_model(model)
+    n = len(prepack._VIEWS)
+    del model, view
+    gc.collect()
+    assert len(prepack._VIEWS) == n - 1
+
+
+def test_auto_kernels_follow_the_measurement(monkeypatch):
+    """'auto' packs when the packed kernel measures faster and not otherwise (timings faked
+    so the decision logic is tested deterministically), and caches per model."""
+    from mmspec.models import kernel_choice
+
+    calls = []
+
+    def fake_time(fn, reps, slower):
+        calls.append(1)
+        name = getattr(fn, "__qualname__", "")
+        return 2.0 if ("packed" in name) == slower else 1.0
+
+    for slower, expected in [(True, False), (False, True)]:
+        model = tiny_llama(layers=1, dtype=torch.float32)
+        monkeypatch.setattr(kernel_choice, "_time", lambda fn, reps, slower=slower: fake_time(fn, reps, slower))
+        assert should_prepack(model, "auto") is expected
+        n = len(calls)
+        assert should_prepack(model, "auto") is expected and len(calls) == n  # cached
+        assert HFTarget(model).kernels == ("prepacked" if expected else "stock")

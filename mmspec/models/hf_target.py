@@ -65,7 +65,11 @@ class HFTarget(SpecTarget):
     def __init__(self, model, *, prepack="auto"):
         check_supported(model)
         self.model = model
-        super().__init__(HFSpec(maybe_packed(model, prepack), source=model))
+        run = maybe_packed(model, prepack)
+        spec = HFSpec(run, source=model)
+        spec.kernels = "prepacked" if run is not model else "stock"
+        self.kernels = spec.kernels
+        super().__init__(spec)
 
     def acceptance_tables(self) -> dict:
         """Tables rules named by string can use: GSD clusters by input-embedding distance."""

@@ -13,8 +13,14 @@ parameter tensors, with every `nn.Linear` replaced by a `PackedLinear` that also
 packed copy (the original model is never modified). The packed copy doubles the memory of
 the linear weights, so `"auto"` only packs float32 CPU models whose linear weights fit in
 `AUTO_BUDGET_BYTES`. A packed copy is rebuilt when its weight changes in place (tracked by
-the tensor version counter), so a drafter trained between calls never drafts with stale
-weights. Results match `F.linear` to float32 rounding (relative ~1e-6); float64 models
+the tensor version counter and data pointer), so a drafter trained between calls never
+drafts with stale weights. The view never goes stale in structure either: every
+`packed_model` / `maybe_packed` / `refresh` call compares a fingerprint of the model (its
+modules, their attributes, parameters, buffers, hooks and training flags) with the one the
+view was built from and rebuilds the view in place when they differ (hooks added or removed,
+a replaced `lm_head`, `resize_token_embeddings`, `load_state_dict(..., assign=True)`,
+`.eval()` after a call in train mode). The check walks the module tree in Python; a model
+changed *during* a generate call is not followed until the next one. Results match `F.linear` to float32 rounding (relative ~1e-6); float64 models
 (the exactness tests) are never packed.
 """
 
@@ -27,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 AUTO_BUDGET_BYTES = 2 << 30  # pack "auto" models whose linear weights take at most 2 GiB
-_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
 def prepack_available() -> bool:
@@ -40,29 +45,39 @@ def prepack_available() -> bool:
 
 
 class PackedLinear(torch.nn.Module):
-    """`nn.Linear` sharing the original's parameters and computing with a packed copy."""
+    """`nn.Linear` sharing the original's parameters (and carrying copies of its hooks and
+    training flag) and computing with a packed copy of its weight."""
 
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8):
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8, reuse: "PackedLinear | None" = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter object: no copy of the dense weight
         self.bias = linear.bias
+        self.training = linear.training
+        _copy_hooks(linear, self)
         self.batch_hint = batch_hint
-        self._packed = None
-        self._version = -1
-        self._repack()
+        if reuse is not None and reuse.weight is linear.weight and reuse.batch_hint == batch_hint:
+            # A rebuilt view keeps the packed copy of an unchanged weight (forward still checks it).
+            self._packed, self._version, self._ptr = reuse._packed, reuse._version, reuse._ptr
+        else:
+            self._packed, self._version, self._ptr = None, -1, -1
+            self._repack()
 
     def _repack(self) -> None:
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.batch_hint)
         self._version = self.weight._version
+        self._ptr = self.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype != w.dtype or x.device != w.device or w.device.type != "cpu" or torch.is_grad_enabled():
-            return F.linear(x, w, self.bias)  # training or moved: the plain kernel, always current
-        if w._version != self._version or self._packed.dtype != w.dtype:
-            self._repack()  # the weight changed in place since it was packed
+        if (
+            x.dtype != w.dtype or w.dtype != torch.float32 or x.device != w.device or w.device.type != "cpu"
+            or torch.is_grad_enabled()
+        ):
+            return F.linear(x, w, self.bias)  # training, moved or converted: the plain kernel, always current
+        if w._version != self._version or w.data_ptr() != self._ptr:
+            self._repack()  # the weight changed in place (or its .data was swapped) since it was packed
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -94,41 +109,138 @@ def should_prepack(model: torch.nn.Module, prepack="auto") -> bool:
         if reasons:
             raise ValueError(f"prepack=True but {'; '.join(reasons)}; pass prepack=False or 'auto'")
         return True
-    return not reasons and _linear_bytes(model) <= AUTO_BUDGET_BYTES
+    if reasons or _linear_bytes(model) > AUTO_BUDGET_BYTES:
+        return False
+    from mmspec.models.kernel_choice import measure  # "auto": the faster kernel on this machine, measured
+
+    return measure(model)["prepack"]
 
 
-def _view(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
+# Per-instance dicts a view module gets its own copy of (hook registries): hooks transformers
+# installs later on one (output capturing) must not be installed twice on the other.
+_HOOK_PREFIXES = ("_forward", "_backward", "_state_dict")
+# Dicts whose *contents* the staleness fingerprint compares (they are mutated in place).
+_TRACKED = ("_parameters", "_buffers", "_modules") + _HOOK_PREFIXES
+
+
+def _copy_hooks(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    for name, value in vars(src).items():
+        if name.startswith(_HOOK_PREFIXES) and isinstance(value, dict):
+            setattr(dst, name, type(value)(value))
+
+
+def _view(module: torch.nn.Module, memo: dict, reuse: dict, into: torch.nn.Module | None = None) -> torch.nn.Module:
     if id(module) in memo:
         return memo[id(module)]
     if type(module) is not torch.nn.Linear:
-        new = copy.copy(module)  # shallow: shares parameter tensors, buffers and config
+        if into is None:
+            new = copy.copy(module)  # shallow: shares parameter tensors, buffers and config
+        else:  # rebuild the root in place: runners holding the view see the new state
+            new = into
+            new.__dict__.clear()
+            new.__dict__.update(module.__dict__)
         new._parameters = dict(module._parameters)
         new._buffers = dict(module._buffers)
-        for name, value in vars(module).items():
-            if name.startswith(("_forward", "_backward", "_state_dict")) and isinstance(value, dict):
-                # Own hook dicts: hooks transformers installs later on one (output capturing)
-                # must not be installed twice on the other.
-                setattr(new, name, type(value)(value))
+        _copy_hooks(module, new)
         new._modules = {}
         memo[id(module)] = new  # before the children: a child may refer back to a shared module
         for name, child in module._modules.items():
-            new._modules[name] = None if child is None else _view(child, memo)
+            new._modules[name] = None if child is None else _view(child, memo, reuse)
         return new
-    new = PackedLinear(module)
+    new = PackedLinear(module, reuse=reuse.get(id(module.weight)))
     memo[id(module)] = new
     return new
 
 
+_TRACKED_BY_KEYS: dict[tuple, tuple] = {}  # a module's attribute names -> those that are tracked dicts
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple[tuple, list]:
+    """What a view must agree with: every module reachable from `model` (in order, as
+    weak references, so a freed module whose id is reused is still told apart), the
+    identity of each of its attributes, and the contents of its parameter, buffer, child
+    and hook dicts (training flags, replaced modules or parameters, added or removed hooks,
+    monkey-patched attributes all change it). In-place weight updates are not part of it:
+    `PackedLinear` follows those through the tensor version counter. The old attribute
+    values stay alive in the view (its modules share them), so their ids cannot be reused."""
+    ids: list = []
+    mods: list = []
+    seen: set = set()
+    stack = [model]
+    append = ids.append
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            append(id(m))
+            continue
+        seen.add(id(m))
+        mods.append(m)
+        d = m.__dict__
+        keys = tuple(d)
+        append(keys)
+        append(tuple(map(id, d.values())))
+        tracked = _TRACKED_BY_KEYS.get(keys)
+        if tracked is None:
+            tracked = _TRACKED_BY_KEYS[keys] = tuple(
+                k for k in keys if k.startswith(_TRACKED) and isinstance(d[k], dict)
+            )
+        for name in tracked:
+            value = d[name]
+            if value:
+                append(tuple(value))
+                append(tuple(map(id, value.values())))
+        children = [c for c in m._modules.values() if c is not None]
+        children.reverse()
+        stack += children
+    return tuple(ids), mods
+
+
+class _Entry:
+    __slots__ = ("view", "ids", "refs")
+
+    def __init__(self, view, ids, mods):
+        self.view, self.ids = view, ids
+        self.refs = [weakref.ref(m) for m in mods]
+
+    def current(self, ids, mods) -> bool:
+        return ids == self.ids and len(mods) == len(self.refs) and all(r() is m for r, m in zip(self.refs, mods))
+
+
+# model -> _Entry, and view -> model (weakly both ways: a view never keeps its model alive).
+_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, _Entry]" = weakref.WeakKeyDictionary()
+_SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
 def packed_model(model: torch.nn.Module) -> torch.nn.Module:
     """A view of `model` whose `nn.Linear` layers run on prepacked weights (cached per
-    model; the model itself is left untouched)."""
-    view = _VIEWS.get(model)
-    if view is None:
-        view = _view(model, {})
-        _VIEWS[model] = view
-    return view
+    model; the model itself is left untouched). Every call checks the cached view against
+    the model (`_fingerprint`) and rebuilds it in place when the model changed (a hook added
+    or removed, a module or parameter replaced, `.train()` / `.eval()`, ...); unchanged
+    weights keep their packed copies."""
+    ids, mods = _fingerprint(model)
+    entry = _VIEWS.get(model)
+    if entry is None:
+        view = _view(model, {}, {})
+        _VIEWS[model] = _Entry(view, ids, mods)
+        _SOURCES[view] = weakref.ref(model)
+        return view
+    if not entry.current(ids, mods):
+        view = entry.view
+        reuse = {id(m.weight): m for m in view.modules() if isinstance(m, PackedLinear)}
+        _view(model, {}, reuse, into=view)
+        entry.ids, entry.refs = ids, [weakref.ref(m) for m in mods]
+    return entry.view
 
 
+def refresh(module: torch.nn.Module) -> torch.nn.Module:
+    """Bring a view returned by `packed_model` / `maybe_packed` up to date with its model
+    (in place; cheap when nothing changed) and return it; any other module is returned
+    as is. Runners that keep a view across calls call this once per generate call."""
+    source = _SOURCES.get(module)
+    model = source() if source is not None else None
+    if model is None:
+        return module
+    return packed_model(model)
 def maybe_packed(model: torch.nn.Module, prepack="auto") -> torch.nn.Module:
     """`packed_model(model)` when `should_prepack(model, prepack)`, else `model`."""
     return packed_model(model) if should_prepack(model, prepack) else model
