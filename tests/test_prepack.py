@@ -264,15 +264,17 @@ def test_unchanged_model_keeps_its_view_and_packed_weights():
 
 def test_view_does_not_keep_its_model_alive():
     import gc
+    import weakref
 
     from mmspec.models import prepack
 
     model = _llama32()
     view = packed_model(model)
-    n = len(prepack._VIEWS)
+    alive = weakref.ref(model)
+    assert model in prepack._VIEWS
     del model, view
     gc.collect()
-    assert len(prepack._VIEWS) == n - 1
+    assert alive() is None  # the cache holds models weakly and views never point back to them
 
 
 def test_auto_kernels_follow_the_measurement(monkeypatch):
@@ -294,3 +296,24 @@ def test_auto_kernels_follow_the_measurement(monkeypatch):
         n = len(calls)
         assert should_prepack(model, "auto") is expected and len(calls) == n  # cached
         assert HFTarget(model).kernels == ("prepacked" if expected else "stock")
+
+
+def test_a_reused_target_follows_model_changes_between_calls(llama32):
+    """HFTarget / ModelDrafter built once and reused: a hook added to the model after the
+    first call is honoured by the next one (the packed view is refreshed per request)."""
+    import copy
+
+    model = copy.deepcopy(llama32)
+    target = HFTarget(model, prepack=True)
+    drafter = ModelDrafter(model, 3, prepack=True)
+    ids, mask = left_padded([5, 4], vocab=V, seed=3)
+    first = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=6)
+    forced = 7  # a hook that makes token 7 win every step
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: out.index_add(
+        -1, torch.tensor([forced]), torch.full(out.shape[:-1] + (1,), 1e3, dtype=out.dtype)))
+    try:
+        second = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=6)
+    finally:
+        handle.remove()
+    assert (first.sequences[:, ids.shape[1]:] != forced).any()
+    assert (second.sequences[:, ids.shape[1]:] == forced).all()

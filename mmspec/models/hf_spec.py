@@ -72,6 +72,11 @@ class HFSpec(ForwardSpec):
 
     # ---- per request ---------------------------------------------------------------------------
     def begin(self, input_ids, attention_mask, model_inputs: dict[str, Any]) -> None:
+        from mmspec.models.prepack import refresh
+
+        # A target/drafter built once and reused: bring a prepacked view up to date with its
+        # model (hooks added, head replaced, train/eval switched since the last call).
+        self.model = refresh(self.model)
         unknown = sorted(k for k in model_inputs if k not in self.forward_params)
         if unknown:
             raise ValueError(
