@@ -18,3 +18,14 @@ def test_bench_smoke(tmp_path, capsys):
     assert all(r["identical_to_plain"] for r in rows)
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "mmspec" in capsys.readouterr().out
+
+
+def test_bench_core_smoke(tmp_path):
+    """`mmspec bench core --smoke`: auto and fixed K rows, outputs identical to plain."""
+    path = tmp_path / "core.json"
+    assert main(["bench", "core", "--smoke", "--threads", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["identical_to_plain"] and {"plain", "auto", "K=1", "K=2"} <= set(r["tokens_per_s"])
+        assert sum(r["auto_k_histogram"].values()) > 0
