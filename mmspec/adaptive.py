@@ -86,8 +86,9 @@ class DraftLengthController:
         self.tried = [prior_weight] * k_max
         self.verify = _LinearCost(decay)
         self.draft = _LinearCost(decay)
-        k0 = min(4, k_max)
-        self.warmup = list(warmup if warmup is not None else (k0, k0, min(1, k_max), k_max, k0))
+        k0 = min(3, k_max)
+        # Two draft lengths give the cost lines two points; everything after is chosen.
+        self.warmup = list(warmup if warmup is not None else (k0, min(1, k_max), k0))
         self.probe_every = probe_every
         self.steps = 0
         self.history: list[int] = []
