@@ -112,7 +112,7 @@ def test_token_distribution_matches_plain_sampling_ks():
     # acceptance must be neither ~0 nor ~1, else the test would not exercise accept and residual
     assert 0.2 < st.acceptance_rate < 0.9, st.summary()
     assert st.residual_tokens > 1000 and st.fallbacks < 0.01 * st.residual_tokens
-    assert len({*st.spec.active_rows}) >= 1 and st.rounds >= 2  # rows advance by different numbers of steps
+    assert 0 < st.bonus_steps < st.rounds * st.images  # some rows took the bonus step, others stopped earlier
     assert p_min > 0.01 / k, (p_min, st.summary())  # Bonferroni over the k position x dimension tests
 
 
