@@ -139,7 +139,7 @@ def ref_schedule(steps: int):
                 c1=b * np.sqrt(acp) / (1 - ac), c2=(1 - acp) * np.sqrt(1 - b) / (1 - ac))
 
 
-def ref_p_sample_loop(sd, c, z, noise, step_noises, temperature, cfg=None, z_u=None):
+def ref_p_sample_loop(sd, c, z, noise, step_noises, temperature, cfg=None, z_u=None, clip=None):
     """Official p_sample_loop (learned range, eps prediction, no noise at t = 0)."""
     s = ref_schedule(c["num_sampling_steps"])
     x, D = noise, noise.shape[1]
@@ -150,6 +150,8 @@ def ref_p_sample_loop(sd, c, z, noise, step_noises, temperature, cfg=None, z_u=N
         if cfg is not None:
             eps = ref_net(sd, c, x, t, z_u)[:, :D] + cfg * (eps - ref_net(sd, c, x, t, z_u)[:, :D])
         x0 = math.sqrt(1 / s["ac"][i]) * x - math.sqrt(1 / s["ac"][i] - 1) * eps
+        if clip is not None:
+            x0 = x0.clamp(-clip, clip)
         mean = s["c1"][i] * x0 + s["c2"][i] * x
         fr = (v + 1) / 2
         logv = fr * math.log(s["betas"][i]) + (1 - fr) * s["plvc"][i]
@@ -255,6 +257,11 @@ def test_head_matches_official_sampler_with_and_without_cfg():
     ref = ref_p_sample_loop(sd, TINY, z, x_T, steps, 1.0, cfg=2.5, z_u=zu)
     got = m.diffloss.trajectory(z, x_T, steps, None, z_uncond=zu, cfg=cfg)
     assert torch.allclose(got.sample, ref, atol=1e-10)
+    clipped = MARModel.from_official({"model_ema": sd}, **TINY, diffloss_clip_x0=0.5).double()
+    ref_c = ref_p_sample_loop(sd, TINY, z, x_T, steps, 0.7, clip=0.5)
+    gc = clipped.diffloss.trajectory(z, x_T, steps, None, temperature=0.7)
+    assert torch.allclose(gc.sample, ref_c, atol=1e-10) and not torch.allclose(gc.sample, m.diffloss.trajectory(
+        z, x_T, steps, None, temperature=0.7).sample)
     fin = torch.randn(N, D, generator=g, dtype=torch.float64)
     noisy = m.diffloss.trajectory(z, x_T, steps, fin, z_uncond=zu, cfg=cfg)
     assert torch.allclose(noisy.sample, got.mean + got.std * fin, atol=1e-12) and (noisy.std > 0).all()

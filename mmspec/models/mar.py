@@ -127,6 +127,7 @@ class MARModel(ModelMixin, ConfigMixin):
         diffloss_w: int = 1024,
         num_sampling_steps: int = 100,
         diffusion_batch_mul: int = 4,
+        diffloss_clip_x0: float | None = None,
     ) -> None:
         super().__init__()
         if img_size % (vae_stride * patch_size):
@@ -152,7 +153,8 @@ class MARModel(ModelMixin, ConfigMixin):
         self.decoder_norm = nn.LayerNorm(Dd, eps=1e-6)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, L, Dd))
         self._init_weights()
-        self.diffloss = DiffLoss(self.token_embed_dim, Dd, diffloss_d, diffloss_w, num_sampling_steps)
+        # diffloss_clip_x0: not in the official code (None = official sampler); see mar_diffloss
+        self.diffloss = DiffLoss(self.token_embed_dim, Dd, diffloss_d, diffloss_w, num_sampling_steps, diffloss_clip_x0)
 
     def _init_weights(self) -> None:
         for p in (self.class_emb.weight, self.fake_latent, self.mask_token, self.encoder_pos_embed_learned,

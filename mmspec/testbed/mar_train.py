@@ -14,6 +14,11 @@ official loss (random order, truncated-Gaussian mask ratio, class dropout 0.1, d
 with the cosine schedule and learned variance). AdamW, cosine LR, fixed seeds, losses logged.
 
 Limits: a toy for a toy world; numbers hold for World(seed=0) single-object scenes only.
+Measured with these defaults before `clip_x0` existed (seed 0, 2 threads, 19.4 min of
+training): VAE PSNR 21.7 dB, judge class accuracy 19.9% on VAE reconstructions (the 4 x 4
+grid keeps colour and position but loses the shape), 2.3% on 256 plain samples (the head
+diverged at t = 999), 12.9% with the x0 clamp applied to the same weights; chance is 3.1%.
+Not recognisable: an 8 x 8 grid (stride 8) and longer runs (or `--device cuda`) are next.
 Run: `mmspec testbed train-mar --out DIR` (see `add_mar_command`).
 """
 
@@ -53,6 +58,7 @@ class MARTrainConfig:
     draft_depth: int = 1
     draft_head: tuple[int, int] = (2, 96)
     num_sampling_steps: int = 25
+    clip_x0: float = 4.0  # clamp of the head's x0 estimate (latents have unit std); see mar_diffloss
     buffer_size: int = 8
     eval_num_iter: int = 8
     eval_guidance: float = 3.0
@@ -101,7 +107,7 @@ def make_mar(c: MARTrainConfig, dim: int, depth: int, head: tuple[int, int]):
                     encoder_depth=depth, encoder_num_heads=4, decoder_embed_dim=dim, decoder_depth=depth,
                     decoder_num_heads=4, vae_embed_dim=c.latent_channels, class_num=32, buffer_size=c.buffer_size,
                     diffloss_d=head[0], diffloss_w=head[1], num_sampling_steps=c.num_sampling_steps,
-                    diffusion_batch_mul=4)
+                    diffusion_batch_mul=4, diffloss_clip_x0=c.clip_x0)
 
 
 def psnr(a, b):
@@ -161,7 +167,6 @@ def run(c: MARTrainConfig, out_dir: str) -> dict:
     from tqdm import tqdm
 
     from mmspec.pipelines import SpeculativeMARPipeline
-    from mmspec.testbed.judge_model import Judge
 
     torch.set_num_threads(c.threads)
     os.makedirs(out_dir, exist_ok=True)
