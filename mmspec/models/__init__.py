@@ -10,6 +10,7 @@ _LAZY = {
     "HFRunner": "mmspec.models.hf_cache",
     "RaggedCache": "mmspec.models.hf_cache",
     "LlamaGenVQ": "mmspec.models.llamagen_tokenizer", "VQConfig": "mmspec.models.llamagen_tokenizer",
+    "MARModel": "mmspec.models.mar", "load_kl16": "mmspec.models.kl16",
 }
 
 
