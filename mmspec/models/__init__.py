@@ -10,6 +10,7 @@ _LAZY = {
     "HFSpec": "mmspec.models.hf_spec",
     "RaggedCache": "mmspec.models.hf_cache",
     "LlamaGenVQ": "mmspec.models.llamagen_tokenizer", "VQConfig": "mmspec.models.llamagen_tokenizer",
+    "MARModel": "mmspec.models.mar", "load_kl16": "mmspec.models.kl16",
 }
 
 

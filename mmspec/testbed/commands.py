@@ -6,6 +6,7 @@
     mmspec testbed eval-judge --model assets/testbed/judge   accuracy / Frechet on held-out scenes
     mmspec testbed train-vq / eval-vq                        the LlamaGen-architecture VQ
     mmspec testbed contact-sheet --out sheet.png             scenes next to their VQ reconstructions
+    mmspec testbed train-mar --out DIR                       the MAR pair (VAE, target, drafter)
     mmspec testbed caption-stats                             how multimodal the captions are
 
 Options map one to one onto the fields of the config dataclasses they build.
@@ -172,6 +173,9 @@ def add_subparsers(subparsers) -> None:
     p.add_argument("--vq", default="assets/testbed/vq")
     p.add_argument("--n", type=int, default=16)
     p.set_defaults(func=cmd_contact_sheet)
+    from mmspec.testbed.mar_train import add_mar_command
+
+    add_mar_command(sub)
     try:
         from mmspec.testbed.vq_train import add_vq_commands
     except ImportError:

@@ -1,0 +1,160 @@
+"""`SpeculativeMARPipeline`: class-conditional MAR image generation with CSpD speculative
+sampling, as a diffusers `DiffusionPipeline`.
+
+Components: `transformer` (the target `MARModel`), `drafter` (a smaller `MARModel` sharing the
+token grid, token dimension, classes and head schedule, or None) and `vae` (diffusers
+`AutoencoderKL`; `mmspec.models.kl16.load_kl16` converts MAR's `kl16.ckpt`). The sampling
+loop is `mmspec.pipelines.cspd.sample_mar`; `speculative=False` runs plain MAR sampling
+through it. Sources: MAR (github.com/LTH14/mar), CSpD (arXiv 2411.11925).
+
+Save / load: `pipe.save_pretrained(dir)` writes the diffusers layout; load it with
+`SpeculativeMARPipeline.from_pretrained(dir)` (this class's loader: the components are
+mmspec classes, which diffusers' generic loader does not look up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKL, DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from mmspec.acceptance import ContinuousAcceptance
+from mmspec.models.mar import MARModel
+from mmspec.pipelines.cspd import MARStats, check_drafter, sample_mar
+
+try:  # continuous rules have their own registry in newer cores
+    from mmspec.acceptance import CONTINUOUS_RULES
+except ImportError:  # pragma: no cover - older core
+    CONTINUOUS_RULES = {"continuous": ContinuousAcceptance}
+
+
+@dataclass
+class MARPipelineOutput(BaseOutput):
+    images: Any  # list of PIL images, np.ndarray [B, H, W, 3] in [0, 1], torch [B, 3, H, W] or latents
+    stats: MARStats
+
+
+class SpeculativeMARPipeline(DiffusionPipeline):
+    model_cpu_offload_seq = "transformer->vae"
+    _optional_components = ["drafter"]
+
+    def __init__(self, transformer: MARModel, vae: AutoencoderKL, drafter: MARModel | None = None) -> None:
+        super().__init__()
+        self.register_modules(transformer=transformer, vae=vae, drafter=drafter)
+
+    def check_vae(self) -> None:
+        t, v = self.transformer.config, self.vae.config
+        if v.latent_channels != t.vae_embed_dim:
+            raise ValueError(f"vae latent_channels={v.latent_channels} differs from the transformer's "
+                             f"vae_embed_dim={t.vae_embed_dim}")
+        stride = 2 ** (len(v.block_out_channels) - 1)
+        if stride != t.vae_stride:
+            raise ValueError(f"vae downsamples by {stride} but the transformer expects vae_stride={t.vae_stride}")
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        class_labels,
+        *,
+        num_iter: int = 64,
+        guidance_scale: float = 3.0,
+        cfg_schedule: str = "linear",
+        temperature: float = 1.0,
+        acceptance="continuous",
+        speculative: bool = True,
+        num_draft_steps: int = 4,
+        prefill_fraction: float = 0.15,
+        generator: torch.Generator | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+    ):
+        """Generate one image per class label. -> `MARPipelineOutput(images, stats)` (or a
+        tuple when return_dict=False)."""
+        if isinstance(class_labels, int):
+            class_labels = [class_labels]
+        labels = torch.as_tensor(class_labels)
+        if labels.dim() != 1 or labels.dtype not in (torch.int64, torch.int32) or labels.numel() == 0:
+            raise ValueError(f"class_labels must be an int or a non-empty 1-D sequence of ints, got {class_labels!r}")
+        labels = labels.long()
+        n_cls = self.transformer.config.class_num
+        if int(labels.min()) < 0 or int(labels.max()) >= n_cls:
+            raise ValueError(f"class_labels must be in [0, {n_cls}), got {labels.tolist()}")
+        if output_type not in ("pil", "np", "pt", "latent"):
+            raise ValueError(f"output_type must be 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
+        self.check_vae()
+        if isinstance(acceptance, str):
+            if acceptance not in CONTINUOUS_RULES:
+                raise ValueError(f"acceptance must be one of {sorted(CONTINUOUS_RULES)} or a ContinuousAcceptance, got {acceptance!r}")
+            acceptance = CONTINUOUS_RULES[acceptance]()
+        elif not isinstance(acceptance, ContinuousAcceptance):
+            raise ValueError(f"acceptance must be a name or a ContinuousAcceptance instance, got {type(acceptance).__name__}")
+        drafter = None
+        if speculative:
+            if self.drafter is None:
+                raise ValueError("speculative=True needs a drafter: pass drafter= to the pipeline or use speculative=False")
+            check_drafter(self.transformer, self.drafter)
+            drafter = self.drafter
+        bar = self.progress_bar(total=num_iter)
+        done = [0]
+
+        def callback(steps_done: int) -> None:
+            bar.update(steps_done - done[0])
+            done[0] = steps_done
+
+        tokens, stats = sample_mar(
+            self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
+            temperature=temperature, drafter=drafter, num_draft_steps=num_draft_steps, prefill_fraction=prefill_fraction,
+            acceptance=acceptance, generator=generator, callback=callback,
+        )
+        bar.close()
+        latents = self.transformer.unpatchify(tokens)
+        if output_type == "latent":
+            images = latents
+        else:
+            z = (latents / self.vae.config.scaling_factor).to(self.vae.dtype)
+            pixels = (self.vae.decode(z).sample.float().clamp(-1, 1) + 1) / 2
+            if output_type == "pt":
+                images = pixels
+            else:
+                arr = pixels.permute(0, 2, 3, 1).cpu().numpy()
+                images = arr if output_type == "np" else self.numpy_to_pil(arr)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, stats
+        return MARPipelineOutput(images=images, stats=stats)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, torch_dtype: torch.dtype | None = None, **kwargs):
+        """Load a folder written by `save_pretrained` (local folders only)."""
+        if kwargs:
+            raise ValueError(f"SpeculativeMARPipeline.from_pretrained does not take {sorted(kwargs)}")
+        root = str(pretrained_model_name_or_path)
+        index_path = os.path.join(root, "model_index.json")
+        if not os.path.isfile(index_path):
+            raise ValueError(f"{root!r} is not a saved SpeculativeMARPipeline folder (no model_index.json)")
+        with open(index_path) as f:
+            index = json.load(f)
+        if index.get("_class_name") != cls.__name__:
+            raise ValueError(f"{root!r} holds a {index.get('_class_name')}, not a {cls.__name__}")
+        parts = {}
+        for name, loader in (("transformer", MARModel), ("drafter", MARModel), ("vae", AutoencoderKL)):
+            entry = index.get(name)
+            if entry is None or entry[0] is None:
+                parts[name] = None
+                continue
+            kw = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+            parts[name] = loader.from_pretrained(os.path.join(root, name), **kw).eval()
+        if parts["transformer"] is None or parts["vae"] is None:
+            raise ValueError(f"{root!r} has no transformer or no vae")
+        return cls(**parts)
+
+
+def to_numpy_images(images) -> np.ndarray:
+    """PIL list -> uint8 array [B, H, W, 3] (for metrics)."""
+    return np.stack([np.asarray(im) for im in images])

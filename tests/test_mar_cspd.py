@@ -1,0 +1,221 @@
+"""CSpD speculative sampling for MAR (pipelines/cspd.py) and SpeculativeMARPipeline:
+drafter == target reproduces plain sampling, the sampled distribution matches plain sampling
+(KS, with a planted bug that must fail), bad inputs are refused, save / load round trip."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mmspec.models.mar import MARModel
+from mmspec.models.mar_diffloss import DiffLoss
+from mmspec.pipelines.cspd import MARNoise, draw_noise, sample_mar
+
+TINY = dict(img_size=16, vae_stride=4, patch_size=1, encoder_embed_dim=32, encoder_depth=1, encoder_num_heads=2,
+            decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=2, vae_embed_dim=4, class_num=5, buffer_size=4,
+            diffloss_d=1, diffloss_w=32, num_sampling_steps=5)
+
+
+def tiny_mar(seed=0, dtype=torch.float64, **over):
+    torch.manual_seed(seed)
+    m = MARModel(**{**TINY, **over}).to(dtype).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():  # the default init zeroes the head's output layers
+            if "adaLN" in n or "final_layer" in n:
+                p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return m
+
+
+class GaussianHead(DiffLoss):
+    """Bayes-optimal eps for data N(W z, s^2 I) at every noise level (variance logits 0): a
+    well-conditioned head, so a slightly perturbed drafter gets a moderate acceptance rate."""
+
+    def __init__(self, base: DiffLoss, W: torch.Tensor, s: float = 0.5):
+        super().__init__(base.in_channels, W.shape[1], 1, 8, base.num_sampling_steps)
+        self.W, self.s2 = W, s * s
+
+    def _model_out(self, x, t_orig, z, z_uncond, cfg):
+        ac = self.train_schedule.alphas_cumprod.to(x.dtype)[t_orig][:, None]
+        m = z @ self.W
+        if z_uncond is not None:
+            m = z_uncond @ self.W + cfg[:, None] * (m - z_uncond @ self.W)
+        eps = (1 - ac).sqrt() * (x - ac.sqrt() * m) / (ac * self.s2 + 1 - ac)
+        return eps, torch.zeros_like(x)
+
+
+def test_drafter_equal_to_target_accepts_everything_and_equals_plain():
+    m = tiny_mar()
+    labels = torch.tensor([0, 3, 4, 1])
+    plain, st0 = sample_mar(m, labels, num_iter=7, guidance_scale=2.0, generator=torch.Generator().manual_seed(1))
+    spec, st = sample_mar(m, labels, num_iter=7, guidance_scale=2.0, drafter=m, num_draft_steps=3,
+                          prefill_fraction=0.2, generator=torch.Generator().manual_seed(1))
+    assert st.drafted_tokens > 0 and st.accepted_tokens == st.judged_tokens == st.drafted_tokens
+    assert st.fallbacks == 0 and st.residual_tokens == 0
+    assert torch.allclose(spec, plain, atol=1e-8, rtol=0)
+    assert st.spec.target_calls < st0.spec.target_calls == 7  # 2 prefill + 2 verify rounds
+    assert st.spec.draft_calls > 0 and st0.spec.draft_calls == 0
+
+
+def _shared_noise(n_rows, L, D, S, seed_traj, seed_final):
+    """Same order / x_T / step noise in every row, own last-step noise per row: the rows are
+    i.i.d. draws of the token map given one trajectory noise, so the last-step Gaussian and
+    its verification decide the distribution (a marginal test would hide them)."""
+    base = draw_noise(1, L, D, S, torch.Generator().manual_seed(seed_traj), "cpu", torch.float64)
+    fin = torch.randn(n_rows, L, D, generator=torch.Generator().manual_seed(seed_final), dtype=torch.float64)
+    return MARNoise(base.orders.expand(n_rows, L), base.init.expand(n_rows, L, D),
+                    base.steps.expand(n_rows, L, S - 1, D), fin)
+
+
+def _ks_setup():
+    cfg = dict(img_size=12, vae_stride=4, vae_embed_dim=2, num_sampling_steps=4, class_num=3)
+    target = tiny_mar(1, **cfg)
+    W = torch.randn(32, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.3
+    target.diffloss = GaussianHead(target.diffloss, W)
+    drafter = copy.deepcopy(target)
+    drafter.diffloss = GaussianHead(target.diffloss, W + 0.002 * torch.randn(32, 2, generator=torch.Generator().manual_seed(3),
+                                                                            dtype=torch.float64))
+    return target, drafter
+
+
+def _ks_run(drafter_final_noise: bool, n=1500):
+    from scipy.stats import ks_2samp
+
+    import mmspec.pipelines.cspd as cspd
+
+    target, drafter = _ks_setup()
+    L, D, S = target.seq_len, 2, 4
+    labels = torch.full((n,), 2, dtype=torch.long)
+    plain, _ = sample_mar(target, labels, num_iter=3, guidance_scale=1.5, noise=_shared_noise(n, L, D, S, 0, 1))
+    orig = cspd._Predictor.__init__
+
+    def planted(self, model, *a):  # the bug: the drafter's last step adds no noise
+        orig(self, model, *a)
+        if model is drafter and not drafter_final_noise:
+            self.final_noise = False
+
+    cspd._Predictor.__init__ = planted
+    try:
+        spec, st = sample_mar(target, labels, num_iter=3, guidance_scale=1.5, drafter=drafter, num_draft_steps=2,
+                              prefill_fraction=0.0, noise=_shared_noise(n, L, D, S, 0, 2),
+                              generator=torch.Generator().manual_seed(4))
+    finally:
+        cspd._Predictor.__init__ = orig
+    pvals = [ks_2samp(plain[:, l, j].numpy(), spec[:, l, j].numpy()).pvalue for l in range(L) for j in range(D)]
+    return min(pvals), len(pvals), st
+
+
+def test_token_distribution_matches_plain_sampling_ks():
+    p_min, k, st = _ks_run(drafter_final_noise=True)
+    # acceptance must be neither ~0 nor ~1, else the test would not exercise accept and residual
+    assert 0.2 < st.acceptance_rate < 0.9, st.summary()
+    assert st.residual_tokens > 1000 and st.fallbacks < 0.01 * st.residual_tokens
+    assert 0 < st.bonus_steps < st.rounds * st.images  # some rows took the bonus step, others stopped earlier
+    assert p_min > 0.01 / k, (p_min, st.summary())  # Bonferroni over the k position x dimension tests
+
+
+def test_ks_has_power_against_missing_final_noise():
+    p_min, k, st = _ks_run(drafter_final_noise=False)
+    assert p_min < 0.01 / k, (p_min, st.summary())
+
+
+def test_tiny_std_gives_no_nan():
+    m = tiny_mar()
+    d = tiny_mar(seed=5)
+    labels = torch.tensor([0, 1, 2])
+    for temperature in (1e-6, 1e-30):
+        out, st = sample_mar(m, labels, num_iter=4, guidance_scale=3.0, temperature=temperature, drafter=d,
+                             num_draft_steps=2, generator=torch.Generator().manual_seed(0))
+        assert torch.isfinite(out).all(), temperature
+    m32, d32 = tiny_mar(dtype=torch.float32), tiny_mar(seed=5, dtype=torch.float32)
+    out, _ = sample_mar(m32, labels, num_iter=4, temperature=1e-6, drafter=d32, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(out).all()
+
+
+def test_bad_inputs_are_refused_naming_the_argument():
+    m = tiny_mar()
+    ok = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="class_labels"):
+        sample_mar(m, torch.tensor([0, 5]), num_iter=4)
+    with pytest.raises(ValueError, match="class_labels"):
+        sample_mar(m, torch.tensor([-1]), num_iter=4)
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="num_iter"):
+            sample_mar(m, ok, num_iter=bad)
+    with pytest.raises(ValueError, match="drafter token_embed_dim"):
+        sample_mar(m, ok, num_iter=4, drafter=tiny_mar(vae_embed_dim=3))
+    with pytest.raises(ValueError, match="drafter seq_len"):
+        sample_mar(m, ok, num_iter=4, drafter=tiny_mar(img_size=20))
+    with pytest.raises(ValueError, match="drafter config num_sampling_steps"):
+        sample_mar(m, ok, num_iter=4, drafter=tiny_mar(num_sampling_steps=4))
+    with pytest.raises(ValueError, match="drafter config class_num"):
+        sample_mar(m, ok, num_iter=4, drafter=tiny_mar(class_num=6))
+    with pytest.raises(ValueError, match="temperature"):
+        sample_mar(m, ok, num_iter=4, drafter=m, temperature=0.0)
+    with pytest.raises(ValueError, match="cfg_schedule"):
+        sample_mar(m, ok, num_iter=4, cfg_schedule="cosine")
+    with pytest.raises(ValueError, match="num_draft_steps"):
+        sample_mar(m, ok, num_iter=4, drafter=m, num_draft_steps=0)
+    with pytest.raises(ValueError, match="final_step_noise"):
+        sample_mar(m, ok, num_iter=4, drafter=m, final_step_noise=False)
+
+
+# -- pipeline -------------------------------------------------------------------------------
+
+
+def tiny_vae(latent=4, levels=3, dtype=torch.float64):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * levels,
+                         up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=(8,) * levels,
+                         layers_per_block=1, latent_channels=latent, norm_num_groups=4, sample_size=16,
+                         scaling_factor=0.5).to(dtype).eval()
+
+
+def test_pipeline_plain_and_speculative_and_round_trip(tmp_path):
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    m, d = tiny_mar(), tiny_mar(seed=3)
+    pipe = SpeculativeMARPipeline(transformer=m, vae=tiny_vae(), drafter=d)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe([1, 2], num_iter=4, generator=torch.Generator().manual_seed(0), speculative=False, output_type="latent")
+    tokens, _ = sample_mar(m, torch.tensor([1, 2]), num_iter=4, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(out.images, m.unpatchify(tokens))
+    spec = pipe([1, 2], num_iter=4, generator=torch.Generator().manual_seed(0), output_type="np")
+    assert spec.images.shape == (2, 16, 16, 3) and spec.stats.spec.draft_calls > 0
+    imgs = pipe(3, num_iter=2, generator=torch.Generator().manual_seed(0)).images
+    assert len(imgs) == 1 and imgs[0].size == (16, 16)
+    pipe.save_pretrained(tmp_path / "p")
+    again = SpeculativeMARPipeline.from_pretrained(tmp_path / "p", torch_dtype=torch.float64)
+    again.set_progress_bar_config(disable=True)
+    assert again.drafter is not None and again.transformer.config.class_num == 5
+    o2 = again([1, 2], num_iter=4, generator=torch.Generator().manual_seed(0), output_type="np")
+    assert abs(o2.images - spec.images).max() < 1e-6
+    solo = SpeculativeMARPipeline(transformer=m, vae=tiny_vae())
+    solo.save_pretrained(tmp_path / "solo")
+    assert SpeculativeMARPipeline.from_pretrained(tmp_path / "solo").drafter is None
+
+
+def test_pipeline_refuses_bad_inputs():
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    m = tiny_mar()
+    pipe = SpeculativeMARPipeline(transformer=m, vae=tiny_vae())
+    pipe.set_progress_bar_config(disable=True)
+    with pytest.raises(ValueError, match="drafter"):
+        pipe([0], num_iter=2)
+    with pytest.raises(ValueError, match="class_labels"):
+        pipe([7], num_iter=2, speculative=False)
+    with pytest.raises(ValueError, match="num_iter"):
+        pipe([0], num_iter=0, speculative=False)
+    with pytest.raises(ValueError, match="acceptance"):
+        pipe([0], num_iter=2, speculative=False, acceptance="exact")
+    with pytest.raises(ValueError, match="vae latent_channels"):
+        SpeculativeMARPipeline(transformer=m, vae=tiny_vae(latent=3))([0], num_iter=2, speculative=False)
+    with pytest.raises(ValueError, match="vae downsamples"):
+        SpeculativeMARPipeline(transformer=m, vae=tiny_vae(levels=2))([0], num_iter=2, speculative=False)
+    with pytest.raises(ValueError, match="output_type"):
+        pipe([0], num_iter=2, speculative=False, output_type="jpg")
