@@ -24,14 +24,9 @@ import torch
 from diffusers import AutoencoderKL, DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from mmspec.acceptance import ContinuousAcceptance
+from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
 from mmspec.models.mar import MARModel
 from mmspec.pipelines.cspd import MARStats, check_drafter, sample_mar
-
-try:  # continuous rules have their own registry in newer cores
-    from mmspec.acceptance import CONTINUOUS_RULES
-except ImportError:  # pragma: no cover - older core
-    CONTINUOUS_RULES = {"continuous": ContinuousAcceptance}
 
 
 @dataclass
