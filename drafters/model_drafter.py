@@ -42,12 +42,11 @@ def drafter_spec(model, prepack) -> ForwardSpec:
         raise TypeError(
             f"model must be a transformers PreTrainedModel or an mmspec.spec.ForwardSpec, got {type(model).__name__}"
         )
-    from mmspec.models.hf_spec import HFSpec
-    from mmspec.models.hf_target import check_supported
+    from mmspec.models.hf_target import check_supported, spec_class
     from mmspec.models.prepack import maybe_packed
 
     check_supported(model)
-    return HFSpec(maybe_packed(model, prepack), source=model)
+    return spec_class(model)(maybe_packed(model, prepack), source=model)
 
 
 class ModelDrafter:
