@@ -156,3 +156,32 @@ def test_heads_round_trip_and_are_refused_for_another_target(llava, tmp_path, ta
         EagleHeadDrafter(model, other)
     with pytest.raises(ValueError, match="image token id"):
         ViSpecHead(EagleHeadConfig.for_target(model, image_token_id=None))
+
+
+@pytest.mark.parametrize("tree", [None, mmspec.TreeConfig(depth=2, top_k=2, num_nodes=4)], ids=["chain", "tree"])
+def test_eagle_exact_sampling_matches_enumerated_joint(tree):
+    """Sampled chain drafts (q returned) and deterministic trees: new tokens 2 and 3 are
+    distributed like the target's (chi-square), and the drafter's own joint is rejected."""
+    from test_core_sampling import SAMPLES, V, chi_square_p, joint_23
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(layers=2, seed=3, vocab=V, hidden=16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    torch.manual_seed(5)
+    head = EagleHead(EagleHeadConfig.for_target(model)).double()
+    with torch.no_grad():
+        head.fc.weight.mul_(3.0)
+    prompt = torch.tensor([[1, 5, 3, 6]])
+    expected = joint_23(model, prompt, mmspec.SamplingConfig(1.0))
+    hotter = joint_23(model, prompt, mmspec.SamplingConfig(1.6))
+    out = mmspec.speculative_generate(model, EagleHeadDrafter(model, head, 3, tree=tree), prompt.expand(SAMPLES, -1),
+                                      acceptance="exact", temperature=1.0, max_new_tokens=3,
+                                      generator=torch.Generator().manual_seed(21))
+    new = out.sequences[:, 4:]
+    counts = torch.zeros(V, V)
+    counts.index_put_((new[:, 1], new[:, 2]), torch.ones(SAMPLES), accumulate=True)
+    assert 0.2 < out.stats.verified_accepted / out.stats.row_steps < 2.5  # rejections exercised
+    assert chi_square_p(counts, expected, SAMPLES) > 1e-4
+    assert chi_square_p(counts, hotter, SAMPLES) < 1e-4  # power
