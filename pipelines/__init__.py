@@ -1,0 +1,21 @@
+"""User-facing pipelines (may import anything). Loaded lazily so `import mmspec` stays light."""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "SpeculativeVLMPipeline": "mmspec.pipelines.vlm",
+    "VLMPipelineOutput": "mmspec.pipelines.vlm",
+    "DrafterComponent": "mmspec.pipelines.vlm_drafter",
+    "PlainDecoding": "mmspec.pipelines.vlm_drafter",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mmspec.pipelines' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)
