@@ -220,3 +220,34 @@ def test_qwen2vl_exact_sampling_matches_plain_sampling(qwen, tree):
     assert chi_square_p(counts, exp, SAMPLES) > 1e-4
     assert chi_square_p(counts, hot, SAMPLES) < 1e-4  # power: a different temperature is rejected
     assert out.stats.row_steps > SAMPLES  # several verify steps per row: rejections exercised
+
+
+@pytest.mark.parametrize("tree", [None, mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)], ids=["chain", "tree"])
+def test_qwen25vl_greedy_equals_generate_row_by_row(tmp_path, tree):
+    """Qwen2.5-VL (windowed vision tower, same M-RoPE scheme) through the same spec."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    base = tiny_qwen2vl_config(V, IMG)
+    vision = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=1, in_channels=3, out_hidden_size=32, window_size=4, fullatt_block_indexes=[1])
+    cfg = Qwen2_5_VLConfig(text_config=base.text_config.to_dict(), vision_config=vision, image_token_id=IMG,
+                           video_token_id=IMG + 1, vision_start_token_id=VS, vision_end_token_id=VE)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.model.language_model.named_parameters():
+            if "q_proj.weight" in name or "k_proj.weight" in name:
+                p.mul_(6.0)
+    model.save_pretrained(tmp_path)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    ids, mask, pixels, grid = batch(GRIDS, [1, 4, 2, 6], [3, 2, 5, 1], seed=9)
+    refs = reference(model, ids, mask, pixels, grid, 10, eos=None)
+    target = mmspec.models.HFTarget(model)
+    assert isinstance(target.spec, Qwen2VLSpec)
+    out = mmspec.speculative_generate(target, ModelDrafter(weak_drafter(), 3, tree=tree), ids, mask, temperature=0,
+                                      max_new_tokens=10, pixel_values=pixels, image_grid_thw=grid)
+    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    flat = mmspec.speculative_generate(mmspec.SpecTarget(HFSpec(model)), ModelDrafter(weak_drafter(), 3), ids, mask,
+                                       temperature=0, max_new_tokens=10, pixel_values=pixels, image_grid_thw=grid,
+                                       mm_token_type_ids=(ids == IMG).int())
+    assert not torch.equal(flat.sequences, out.sequences)  # 1-D positions would be wrong here
