@@ -14,6 +14,7 @@ from mmspec.drafters import EagleHead, EagleHeadConfig, EagleHeadDrafter, ViSpec
 
 from _vlm_helpers import assert_rows_equal
 from test_vlm_llava import IMG, llava, llava_batch, row_by_row  # noqa: F401 (fixture)
+from test_vlm_qwen2vl import qwen  # noqa: F401 (fixture: saved and re-loaded, float64)
 
 TREE = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)
 KINDS = {"eagle": (EagleHead, EagleHeadDrafter), "vispec": (ViSpecHead, ViSpecDrafter)}
@@ -43,6 +44,20 @@ def test_llava_greedy_equals_generate(llava, kind, tree):
     assert out.stats.new_tokens == [len(r) for r in refs]
 
 
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_rows_ending_with_their_first_token(llava, kind):
+    """A row whose prefill token is EOS leaves before the drafter ever ran its prompt."""
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5)], seed=7)
+    plain = row_by_row(model, ids, mask, 8, None, pixel_values=pixels)
+    eos = int(plain[1][0])
+    refs = row_by_row(model, ids, mask, 8, eos, pixel_values=pixels)
+    out = mmspec.speculative_generate(model, make(model, kind, TREE), ids, mask, temperature=0, max_new_tokens=8,
+                                      pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
+    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    assert out.stats.new_tokens[1] == 1
+
+
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
 def test_eagle_head_on_a_text_lm(target, tree):
     from conftest import left_padded
@@ -58,29 +73,14 @@ def test_eagle_head_on_a_text_lm(target, tree):
 
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("kind", ["eagle", "vispec"])
-def test_qwen2vl_greedy_equals_generate(kind, tree):
+def test_qwen2vl_greedy_equals_generate(qwen, kind, tree):
     from test_vlm_qwen2vl import GRIDS, batch, reference
 
-    qwen = _qwen()
     ids, mask, pixels, grid = batch(GRIDS, [1, 4, 2, 6], [3, 2, 5, 1], seed=9)
     refs = reference(qwen, ids, mask, pixels, grid, 10, eos=None)
     out = mmspec.speculative_generate(qwen, make(qwen, kind, tree), ids, mask, temperature=0, max_new_tokens=10,
                                       pixel_values=pixels, image_grid_thw=grid)
     assert_rows_equal(out.sequences, ids.shape[1], refs)
-
-
-_QWEN = {}
-
-
-def _qwen():
-    if not _QWEN:
-        from transformers import Qwen2VLForConditionalGeneration
-
-        from conftest import tiny_qwen2vl_config
-
-        torch.manual_seed(0)
-        _QWEN["m"] = Qwen2VLForConditionalGeneration(tiny_qwen2vl_config()).double().eval()
-    return _QWEN["m"]
 
 
 class Recorded:
