@@ -61,6 +61,7 @@ class DrafterComponent(ModelMixin, ConfigMixin):
         cfg = lm.config.to_dict()
         keep = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("architectures", "dtype",
                                                                                    "torch_dtype", "transformers_version")}
+        keep["tie_word_embeddings"] = False  # saved as two tensors (safetensors refuses shared ones)
         comp = cls(kind="text", lm_config=keep, num_draft_tokens=num_draft_tokens, **_tree_fields(tree))
         comp.lm.load_state_dict(lm.state_dict())
         return torch.nn.Module.to(comp, next(lm.parameters()).dtype)

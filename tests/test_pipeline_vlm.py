@@ -132,3 +132,18 @@ def test_missing_and_corrupt_files_are_reported_per_item(parts, tmp_path):
     assert out.errors[0] is None and out.errors[3] is None
     alone = pipe([tmp_path / "good.png", good[1]], max_new_tokens=6)
     assert alone.texts == [out.texts[0], out.texts[3]]
+
+
+def test_a_tied_text_drafter_saves_and_loads(tmp_path):
+    from conftest import tiny_llama
+
+    lm = tiny_llama(vocab=26)
+    lm.config.tie_word_embeddings = True
+    lm.tie_weights()
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
+    comp = DrafterComponent.from_lm(lm, 3)
+    comp.save_pretrained(tmp_path / "d")
+    again = DrafterComponent.from_pretrained(str(tmp_path / "d"), low_cpu_mem_usage=False)
+    for (k, a), (k2, b) in zip(comp.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    torch.testing.assert_close(again.lm.lm_head.weight, lm.lm_head.weight)
