@@ -125,7 +125,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             known = sorted(self.drafters) or "none"
             raise ValueError(f"no drafter {str(name_or_dir)!r}: not one saved with this pipeline ({known}) and not a "
                              "folder holding a saved DrafterComponent")
-        drafter = DrafterComponent.from_pretrained(str(path), low_cpu_mem_usage=False)
+        drafter = DrafterComponent.from_pretrained(str(path), low_cpu_mem_usage=False, torch_dtype=self.target.dtype)
         self.add_drafter(path.name, drafter)
         return drafter
 
@@ -173,8 +173,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         pipe = cls(target, processor, None, caption_prompt=(index or {}).get("caption_prompt", DEFAULT_CAPTION_PROMPT))
         if index:
             for name in index.get("drafters", []):
-                pipe.add_drafter(name, DrafterComponent.from_pretrained(str(d / "drafters" / name), low_cpu_mem_usage=False),
-                                 active=False)
+                comp = DrafterComponent.from_pretrained(str(d / "drafters" / name), low_cpu_mem_usage=False,
+                                                        torch_dtype=target.dtype)
+                pipe.add_drafter(name, comp, active=False)
             if index.get("default_drafter"):
                 pipe.load_drafter(index["default_drafter"])
         if isinstance(drafter, DrafterComponent):

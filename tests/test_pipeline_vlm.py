@@ -143,7 +143,7 @@ def test_a_tied_text_drafter_saves_and_loads(tmp_path):
     assert lm.lm_head.weight is lm.model.embed_tokens.weight
     comp = DrafterComponent.from_lm(lm, 3)
     comp.save_pretrained(tmp_path / "d")
-    again = DrafterComponent.from_pretrained(str(tmp_path / "d"), low_cpu_mem_usage=False)
+    again = DrafterComponent.from_pretrained(str(tmp_path / "d"), low_cpu_mem_usage=False, torch_dtype=torch.float64)
     for (k, a), (k2, b) in zip(comp.state_dict().items(), again.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
     torch.testing.assert_close(again.lm.lm_head.weight, lm.lm_head.weight)
