@@ -147,3 +147,27 @@ def test_a_tied_text_drafter_saves_and_loads(tmp_path):
     for (k, a), (k2, b) in zip(comp.state_dict().items(), again.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
     torch.testing.assert_close(again.lm.lm_head.weight, lm.lm_head.weight)
+
+
+def test_processor_outputs_go_straight_into_speculative_generate(parts):
+    """`speculative_generate(model, drafter, **processor_outputs)` picks the adapter by itself."""
+    from mmspec.drafters import EagleHeadDrafter
+
+    model, processor = parts
+    processor.tokenizer.padding_side = "left"
+    images = random_images(3, seed=8)
+    prompts = ["user : <image> describe the image assistant :", "user : <image> what colour ? assistant :",
+               "user : <image> what shape is left of the red circle ? assistant :"]
+    enc = processor(images=images, text=prompts, return_tensors="pt", padding=True)
+    enc["pixel_values"] = enc["pixel_values"].double()
+    assert bool((enc["attention_mask"] == 0).any())  # different prompt lengths, left-padded
+    torch.manual_seed(2)
+    drafter = EagleHeadDrafter(model, EagleHead(EagleHeadConfig.for_target(model)).double(), 3)
+    out = mmspec.speculative_generate(model, drafter, **enc, temperature=0, max_new_tokens=8, eos_token_id=2)
+    L = enc["input_ids"].shape[1]
+    for b in range(3):
+        one = processor(images=images[b:b + 1], text=prompts[b:b + 1], return_tensors="pt")
+        ref = model.generate(input_ids=one["input_ids"], attention_mask=one["attention_mask"],
+                             pixel_values=one["pixel_values"].double(), do_sample=False, max_new_tokens=8,
+                             eos_token_id=2, pad_token_id=0)[0, one["input_ids"].shape[1]:]
+        assert torch.equal(out.sequences[b, L:L + len(ref)], ref)
