@@ -251,3 +251,18 @@ def test_qwen25vl_greedy_equals_generate_row_by_row(tmp_path, tree):
                                        temperature=0, max_new_tokens=10, pixel_values=pixels, image_grid_thw=grid,
                                        mm_token_type_ids=(ids == IMG).int())
     assert not torch.equal(flat.sequences, out.sequences)  # 1-D positions would be wrong here
+
+
+@torch.no_grad()
+def test_qwen2vl_text_only_prompts(qwen):
+    """No image inputs: M-RoPE streams all equal the logical position (deltas 0)."""
+    from conftest import left_padded
+
+    ids, mask = left_padded([5, 8, 3], vocab=50)
+    out = mmspec.speculative_generate(qwen, ModelDrafter(weak_drafter(), 3), ids, mask, temperature=0,
+                                      max_new_tokens=8)
+    for b in range(3):
+        real = ids[b][mask[b].bool()].unsqueeze(0)
+        ref = qwen.generate(input_ids=real, attention_mask=torch.ones_like(real), do_sample=False, max_new_tokens=8,
+                            eos_token_id=None, pad_token_id=0)[0, real.shape[1]:]
+        assert torch.equal(out.sequences[b, ids.shape[1]:], ref)
