@@ -5,6 +5,8 @@ Every drafter implements `mmspec.Drafter`: `prefill`, `propose`, `commit`, `sele
 
 from __future__ import annotations
 
+from .eagle_head import EagleHead, EagleHeadConfig, EagleHeadDrafter
 from .model_drafter import ModelDrafter
+from .vispec import ViSpecDrafter, ViSpecHead
 
-__all__ = ["ModelDrafter"]
+__all__ = ["EagleHead", "EagleHeadConfig", "EagleHeadDrafter", "ModelDrafter", "ViSpecDrafter", "ViSpecHead"]

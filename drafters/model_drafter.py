@@ -43,13 +43,12 @@ def drafter_spec(model, prepack) -> ForwardSpec:
         raise TypeError(
             f"model must be a transformers PreTrainedModel or an mmspec.spec.ForwardSpec, got {type(model).__name__}"
         )
-    from mmspec.models.hf_spec import HFSpec
-    from mmspec.models.hf_target import check_supported
+    from mmspec.models.hf_target import check_supported, spec_class
     from mmspec.models.prepack import maybe_packed
 
     check_supported(model)
     run = maybe_packed(model, prepack)
-    spec = HFSpec(run, source=model)
+    spec = spec_class(model)(run, source=model)
     spec.kernels = "prepacked" if run is not model else "stock"
     return spec
 

@@ -4,6 +4,8 @@
     mmspec bench [options]           the core benchmark (plain / assisted / mmspec), JSON out
     mmspec testbed ...               the procedural world, VQ tokenizer and judge (see
                                      mmspec/testbed/commands.py)
+    mmspec caption / vqa / train-drafter   VLM captioning, VQA and drafter training (see
+                                     pipelines/vlm_cli.py)
 
 argparse options map one to one onto the fields of the config dataclasses they build
 (`mmspec.bench.core.BenchConfig`, `mmspec.bench.pair.PairConfig`). Heavy imports happen
@@ -98,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mmspec.testbed.commands import add_subparsers as add_testbed
 
     add_testbed(sub)
+    from mmspec.pipelines.vlm_cli import add_subparsers as add_vlm
+
+    add_vlm(sub)
     return parser
 
 

@@ -1,2 +1,27 @@
-from mmspec.pipelines.cspd import MARStats, sample_mar  # noqa: E402,F401  (MAR / CSpD)
-from mmspec.pipelines.mar_pipeline import MARPipelineOutput, SpeculativeMARPipeline  # noqa: E402,F401
+"""User-facing pipelines (may import anything). Loaded lazily so `import mmspec` stays light."""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    # VLMs (captioning / VQA)
+    "SpeculativeVLMPipeline": "mmspec.pipelines.vlm",
+    "VLMPipelineOutput": "mmspec.pipelines.vlm",
+    "DrafterComponent": "mmspec.pipelines.vlm_drafter",
+    "PlainDecoding": "mmspec.pipelines.vlm_drafter",
+    # MAR (continuous tokens) with CSpD
+    "SpeculativeMARPipeline": "mmspec.pipelines.mar_pipeline",
+    "MARPipelineOutput": "mmspec.pipelines.mar_pipeline",
+    "MARStats": "mmspec.pipelines.cspd",
+    "sample_mar": "mmspec.pipelines.cspd",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mmspec.pipelines' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -77,3 +77,18 @@ def weak_drafter():
 @pytest.fixture(scope="session")
 def good_drafter(target):
     return noisy_copy(target, 0.3)
+
+
+def tiny_qwen2vl_config(vocab: int = 64, image_token: int = 60):
+    """A tiny Qwen2-VL config: 2x2 patches merged 2x2, so an image of (2h)x(2w) patches gives h*w
+    image tokens; M-RoPE sections (1, 1, 2) over head_dim 8; vision start/end tokens 58/59."""
+    from transformers import Qwen2VLConfig
+
+    text = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0})
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=1, in_channels=3)
+    return Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image_token,
+                         video_token_id=image_token + 1, vision_start_token_id=image_token - 2,
+                         vision_end_token_id=image_token - 1)

@@ -101,11 +101,22 @@ class HFSpec(ForwardSpec):
             mask = self._additive(attention)
         else:
             mask = attention.key_padding.long()
-        return self._run(input_ids, mask, attention.q_pos, kv, features, keep=1, model_inputs=model_inputs)
+        positions = self.prefill_positions(attention)
+        return self._run(input_ids, mask, positions, kv, features, keep=1, model_inputs=model_inputs)
 
     def forward(self, tokens, attention: Attention, kv: RaggedKV, features, *, last_only=False) -> SpecOutput:
         mask = self._additive(attention)
-        return self._run(tokens, mask, attention.q_pos, kv, features, keep=1 if last_only else 0, model_inputs={})
+        positions = self.positions(attention.q_pos)
+        return self._run(tokens, mask, positions, kv, features, keep=1 if last_only else 0, model_inputs={})
+
+    def prefill_positions(self, attention: Attention) -> torch.Tensor:
+        """Model positions of the prompt (M-RoPE specs compute them from the image grids)."""
+        return self.positions(attention.q_pos)
+
+    def image_feature_module(self) -> torch.nn.Module | None:
+        """A module whose output is the projected image features, for specs whose base model does
+        not return `image_hidden_states` (None: read them from the base model's output)."""
+        return None
 
     def _additive(self, attention: Attention):
         """4-D additive float mask(s) [B, 1, Q, S]: one tensor, or one per attention type for
@@ -165,6 +176,13 @@ class HFSpec(ForwardSpec):
                     captured["image"] = image
 
             handles.append(self.model.base_model.register_forward_hook(base_hook))
+            image_module = self.image_feature_module() if features.image_features else None
+            if image_module is not None:
+
+                def image_hook(module, args, output):
+                    captured["image"] = getattr(output, "pooler_output", output)
+
+                handles.append(image_module.register_forward_hook(image_hook))
         if features.hidden_layers:
             layers = _decoder_layers(self.model, self.num_layers)
             if layers is None:

@@ -3,9 +3,11 @@
 A `SpecTarget` over `HFSpec` (mmspec/models/hf_spec.py): the prompt (with image inputs such as
 `pixel_values` for LLaVA, which the model's own forward merges) is prefilled once; every step
 verifies [root] + draft nodes in one forward with tree attention; commit keeps the root and the
-accepted path. Models with their own position scheme (Qwen2-VL's M-RoPE) need a spec that
-derives it (`HFSpec` subclass overriding `positions` and `begin`); the generic adapter refuses
-them instead of computing wrong positions.
+accepted path. The spec is chosen by model type (`spec_class`): Qwen2-VL / Qwen2.5-VL get
+`Qwen2VLSpec` (M-RoPE positions and per-row rope deltas, mmspec/models/qwen2vl_spec.py);
+other models with an M-RoPE position scheme are refused instead of decoded with wrong
+positions. LLaVA-1.5 / LLaVA-NeXT run through the plain `HFSpec` (their image inputs,
+`pixel_values` and `image_sizes`, go to the model's own prefill forward).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import inspect
 
 from mmspec.models.hf_spec import HFSpec, text_vocab_size
 from mmspec.models.prepack import maybe_packed
+from mmspec.models.qwen2vl_spec import MROPE_MODEL_TYPES, Qwen2VLSpec
+from mmspec.models.qwen2vl_spec import model_type as model_type_of
 from mmspec.spec_target import SpecTarget, chain_visibility
 
 __all__ = ["HFTarget", "chain_visibility", "text_vocab_size"]
@@ -31,12 +35,12 @@ def check_supported(model) -> None:
     """Refuse model families whose attention or state the ragged cache cannot reproduce."""
     params = inspect.signature(model.forward).parameters
     name = type(model).__name__
-    if "image_grid_thw" in params:
-        # Qwen2-VL-style models compute 3-D M-RoPE positions from the image grid; the 1-D
-        # positions used here would be silently wrong, so refuse instead.
+    if "image_grid_thw" in params and model_type_of(model) not in MROPE_MODEL_TYPES:
+        # M-RoPE families other than Qwen2-VL / Qwen2.5-VL compute their 3-D positions their own
+        # way; the positions derived here would be silently wrong, so refuse instead.
         raise ValueError(
-            f"target {name} uses M-RoPE positions (image_grid_thw); it needs the Qwen2-VL adapter "
-            "of the VLM pipeline, not the generic HFTarget"
+            f"target {name} ({model_type_of(model)}) uses M-RoPE positions (image_grid_thw) that mmspec does not "
+            f"derive; supported M-RoPE model types: {', '.join(MROPE_MODEL_TYPES)}"
         )
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     model_type = getattr(config, "model_type", "")
@@ -55,6 +59,11 @@ def check_supported(model) -> None:
                          "*ForConditionalGeneration class")
 
 
+def spec_class(model) -> type[HFSpec]:
+    """The forward spec a transformers model runs through, by model type."""
+    return Qwen2VLSpec if model_type_of(model) in MROPE_MODEL_TYPES else HFSpec
+
+
 class HFTarget(SpecTarget):
     """Wraps a `transformers.PreTrainedModel` with an LM head.
 
@@ -66,7 +75,7 @@ class HFTarget(SpecTarget):
         check_supported(model)
         self.model = model
         run = maybe_packed(model, prepack)
-        spec = HFSpec(run, source=model)
+        spec = spec_class(model)(run, source=model)
         spec.kernels = "prepacked" if run is not model else "stock"
         self.kernels = spec.kernels
         super().__init__(spec)

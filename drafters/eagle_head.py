@@ -1,0 +1,465 @@
+"""`EagleHeadDrafter`: an EAGLE-2 draft head over the target's last hidden state.
+
+EAGLE (Li et al. 2024, arXiv 2401.15077; EAGLE-2, arXiv 2406.16858; github.com/SafeAILab/EAGLE)
+drafts at the feature level: one decoder layer at the target's width reads
+`fc(concat(embed(x_{t+1}), h_t))`, where `h_t` is the target's final (normed) hidden state at
+position t and `x_{t+1}` the token that followed, and predicts the feature `f_{t+1}`; the
+target's own LM head turns it into the next-token distribution. The target's embedding and
+LM head are shared and frozen (reached through the target spec's `embed` / `head`). Drafting
+feeds the head its own features: `(f_{t+1}, x̂_{t+2}) -> f_{t+2}`, ...
+
+Layout (state-dict names follow EAGLE's draft model): `fc` (2H -> H, bias), `layers.0` = a
+Llama decoder layer without input norm (`self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`,
+`mlp.{gate,up,down}_proj`). No final norm: the features are trained to match the target's
+normed hidden states.
+
+In mmspec's loop (batched, ragged, chains and dynamic trees):
+- `features = FeatureRequest(last_hidden=True, image_features=<VLM>)`; for image targets the
+  head's input embedding at image-token positions is the target's merged image feature, as
+  the target's own forward sees it.
+- The prompt's pairs `(h_t, x_{t+1})`, t = 0..L-1, are run at the first `propose` (the last one
+  needs the root, which the target samples after prefill); later steps run the pairs of the
+  accepted path + bonus token (the target's verify features) in one catch-up forward. Draft
+  positions are rolled back by not advancing the ragged cache (mmspec.RaggedKV).
+- Chains: K head forwards (tokens sampled from the head's processed distribution, q returned);
+  trees: EAGLE-2's dynamic expansion (top_k children of the top_k best frontier nodes by
+  cumulative log-probability, `num_nodes` best kept), deterministic, no q.
+
+Limits: one decoder layer (EAGLE-1/2; EAGLE-3's multi-layer fusion is not here); the head uses
+1-D RoPE positions of its own, whatever the target's position scheme.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmspec.ragged import RaggedKV
+from mmspec.sampling import SamplingConfig, process_logits, sample_from
+from mmspec.spec_target import chain_visibility
+from mmspec.tree import chain_parents
+from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig
+
+CONFIG_NAME = "drafter_config.json"
+WEIGHTS_NAME = "drafter.safetensors"
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    """Shape of a draft head and what target it was built for (checked when it is attached)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    image_token_id: int | None = None
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    fc_bias: bool = True
+    kind: str = "eagle"  # "eagle" | "vispec"
+    num_q: int = 2  # ViSpec: learned image queries (num_q - 1 image tokens + 1 global vector)
+    target_model_type: str = ""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must divide into num_attention_heads {self.num_attention_heads}, "
+                f"which must divide into num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.kind not in ("eagle", "vispec"):
+            raise ValueError(f"EagleHeadConfig.kind must be 'eagle' or 'vispec', got {self.kind!r}")
+        if self.num_q < 2:
+            raise ValueError(f"EagleHeadConfig.num_q must be >= 2 (image tokens + a global vector), got {self.num_q}")
+
+    @classmethod
+    def for_target(cls, model, **overrides) -> "EagleHeadConfig":
+        """A head at the target's width (heads and MLP size from its text config)."""
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        image_token = getattr(model.config, "image_token_id", getattr(model.config, "image_token_index", None))
+        values = dict(
+            hidden_size=int(text.hidden_size), intermediate_size=int(text.intermediate_size),
+            num_attention_heads=int(text.num_attention_heads),
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
+            vocab_size=int(text.vocab_size), image_token_id=None if image_token is None else int(image_token),
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)), target_model_type=str(model.config.model_type),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, -1)
+    return torch.cat([-b, a], -1)
+
+
+class HeadAttention(nn.Module):
+    def __init__(self, c: EagleHeadConfig):
+        super().__init__()
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.dim = c.hidden_size // c.num_attention_heads
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.dim, c.hidden_size, bias=False)
+        self.register_buffer("inv_freq", 1.0 / c.rope_theta ** (torch.arange(0, self.dim, 2).double() / self.dim),
+                             persistent=False)
+
+    def forward(self, x, positions, visible, kv: RaggedKV | None):
+        """x [B, Q, H], positions [B, Q], visible [B, Q, S] bool (S = Q without a cache)."""
+        B, Q, _ = x.shape
+        q = self.q_proj(x).view(B, Q, self.heads, self.dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, Q, self.kv_heads, self.dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, Q, self.kv_heads, self.dim).transpose(1, 2)
+        freqs = positions.unsqueeze(-1).double() * self.inv_freq  # [B, Q, D/2]
+        emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if kv is not None:
+            k, v = kv.update(0, k, v)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.unsqueeze(1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
+
+
+class HeadLayer(nn.Module):
+    """A Llama decoder layer without input norm (EAGLE's first draft layer)."""
+
+    def __init__(self, c: EagleHeadConfig):
+        super().__init__()
+        self.self_attn = HeadAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = nn.ModuleDict({
+            "gate_proj": nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
+            "up_proj": nn.Linear(c.hidden_size, c.intermediate_size, bias=False),
+            "down_proj": nn.Linear(c.intermediate_size, c.hidden_size, bias=False),
+        })
+
+    def forward(self, x, positions, visible, kv):
+        x = x + self.self_attn(x, positions, visible, kv)
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
+
+
+class EagleHead(nn.Module):
+    """The trainable part of an EAGLE drafter (the embedding and LM head are the target's)."""
+
+    def __init__(self, config: EagleHeadConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layers = nn.ModuleList([HeadLayer(config)])
+
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, Q, H] token embeddings + [B, Q, H] features -> the decoder layer's input."""
+        return self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], -1))
+
+    def decode(self, x, positions, visible, kv: RaggedKV | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, positions, visible, kv)
+        return x
+
+    def prepare(self, next_tokens, embeds, hidden, mask):
+        """Inputs of the prompt's pairs (h_t, x_{t+1}) for a cache-free or prefill forward:
+        returns (inputs [B, L', H], positions [B, L'], mask [B, L'], source index [B, L'] of each
+        input's pair, global image vector [B, H] or None). EAGLE: one input per pair."""
+        positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+        src = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+        return self.fuse(embeds, hidden), positions, mask, src, None
+
+    def forward_full(self, next_tokens, embeds, hidden, mask):
+        """Cache-free causal forward over all pairs (training and reference): features [B, L', H]
+        with (positions, mask, source index) of each output."""
+        x, positions, mask, src, _ = self.prepare(next_tokens, embeds, hidden, mask)
+        L = x.shape[1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        visible = (causal & mask.bool().unsqueeze(1)) | torch.eye(L, dtype=torch.bool, device=x.device)
+        return self.decode(x, positions, visible), positions, mask, src
+
+    # ---- checkpoints (our own layout: config json + safetensors) ------------------------------
+    def save_pretrained(self, directory) -> None:
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(d / WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, directory, dtype: torch.dtype | None = None) -> "EagleHead":
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        if not (d / CONFIG_NAME).is_file():
+            raise ValueError(f"{d} holds no drafter head ({CONFIG_NAME} missing)")
+        raw = json.loads((d / CONFIG_NAME).read_text())
+        known = {f.name for f in fields(EagleHeadConfig)}
+        config = EagleHeadConfig(**{k: v for k, v in raw.items() if k in known})
+        head = head_class(config.kind)(config)
+        state = load_file(str(d / WEIGHTS_NAME))
+        head.load_state_dict(state, strict=True)
+        return head.to(dtype) if dtype is not None else head
+
+
+def head_class(kind: str) -> type:
+    if kind == "vispec":
+        from .vispec import ViSpecHead
+
+        return ViSpecHead
+    return EagleHead
+
+
+def grow_tree(root_logits: torch.Tensor, cfg: TreeConfig, expand: Callable) -> Draft:
+    """EAGLE-2 dynamic tree. `expand(frontier_tokens [B,k], parent_slot [B,k] | None, level,
+    visibility [B,k,R+k], region R) -> logits [B,k,V]` runs the frontier through the drafter
+    (parent_slot: which previous frontier node each one hangs under; None at level 1)."""
+    k = cfg.top_k
+    B = root_logits.shape[0]
+    device = root_logits.device
+    rows = torch.arange(B, device=device).unsqueeze(1)
+    scores, toks = torch.log_softmax(root_logits.double(), -1).topk(k, -1)
+    pool_tokens, pool_scores, pool_parents, pool_depth = [toks], [scores], [torch.full_like(toks, -1)], [0]
+    frontier_idx = torch.arange(k, device=device).expand(B, k)
+    frontier_tokens, frontier_scores, parent_slot = toks, scores, None
+    parent_vis = torch.zeros(B, k, 0, dtype=torch.bool, device=device)
+    region, pool_size = 0, k
+    for level in range(1, cfg.depth):
+        vis = torch.cat([parent_vis, torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)], 2)
+        logits = expand(frontier_tokens, parent_slot, level, vis, region)
+        region += k
+        cand = frontier_scores.unsqueeze(-1) + torch.log_softmax(logits.double(), -1)
+        c_scores, c_toks = cand.topk(k, -1)
+        c_parent = frontier_idx.unsqueeze(-1).expand(B, k, k)
+        c_scores, c_toks, c_parent = (t.reshape(B, k * k) for t in (c_scores, c_toks, c_parent))
+        pool_tokens.append(c_toks)
+        pool_scores.append(c_scores)
+        pool_parents.append(c_parent)
+        pool_depth.append(level)
+        best_scores, best = c_scores.topk(k, -1)
+        parent_slot = best // k
+        parent_vis = vis[rows, parent_slot]
+        frontier_idx, frontier_tokens, frontier_scores = pool_size + best, c_toks.gather(1, best), best_scores
+        pool_size += k * k
+    tokens, parents = torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1)
+    depth_pen = torch.cat([torch.full_like(s, d) for s, d in zip(pool_scores, pool_depth)], 1)
+    scores = torch.cat(pool_scores, 1) - 1e-6 * depth_pen  # ties: shallower first (closed under ancestors)
+    n = min(cfg.num_nodes, tokens.shape[1])
+    keep = scores.topk(n, -1).indices.sort(-1).values
+    inverse = torch.full_like(tokens, -1)
+    inverse[rows, keep] = torch.arange(n, device=device).expand(B, n)
+    kept = parents.gather(1, keep)
+    new_parents = torch.where(kept >= 0, inverse.gather(1, kept.clamp_min(0)), kept)
+    return Draft(tokens=tokens.gather(1, keep), parents=new_parents, draft_probs=None, is_chain=False)
+
+
+def target_spec(target):
+    """The forward spec of a target (an mmspec target with a spec, or a transformers model)."""
+    spec = getattr(target, "spec", None)
+    if spec is not None:
+        return spec
+    if hasattr(target, "config") and callable(target):
+        from mmspec.models.hf_target import HFTarget
+
+        return HFTarget(target).spec
+    raise TypeError(f"the target must be a transformers model or a SpecTarget, got {type(target).__name__}")
+
+
+class EagleHeadDrafter:
+    """Drafts with an `EagleHead` over `target`'s features (any target with `supports_features`
+    whose spec exposes `embed` / `head`). Build it once per target and reuse it."""
+
+    def __init__(self, target, head: EagleHead, num_draft_tokens: int = 4, tree: TreeConfig | None = None):
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+        if tree is not None and not isinstance(tree, TreeConfig):
+            raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
+        if not isinstance(head, EagleHead):
+            raise TypeError(f"head must be an EagleHead, got {type(head).__name__}")
+        spec = target_spec(target)
+        self.spec, self.head, self.tree = spec, head, tree
+        self.num_draft_tokens = num_draft_tokens
+        self.vocab_size = spec.vocab_size
+        check_head_fits(head.config, target, spec)
+        self.image_token_id = head.config.image_token_id
+        self.features = FeatureRequest(last_hidden=True, image_features=self.image_token_id is not None)
+        self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
+        self.draft_calls = 0
+
+    # ---- the target's shared pieces -------------------------------------------------------------
+    def embed(self, tokens):
+        return self.spec.embed(tokens).to(self._dtype)
+
+    def logits(self, features):
+        return self.spec.head(features.to(self.spec.dtype))
+
+    @property
+    def _dtype(self):
+        return self.head.fc.weight.dtype
+
+    def prompt_embeds(self, input_ids, image_features) -> torch.Tensor:
+        """Embeddings of the prompt as the target saw them: image features at image tokens."""
+        e = self.embed(input_ids)
+        if self.image_token_id is None or image_features is None:
+            return e
+        where = input_ids == self.image_token_id
+        feats = image_features.reshape(-1, e.shape[-1]).to(e.dtype)
+        if int(where.sum()) != feats.shape[0]:  # SYNC: once per request
+            raise ValueError(f"{int(where.sum())} image tokens in the prompt but {feats.shape[0]} image features")
+        return e.masked_scatter(where.unsqueeze(-1), feats)
+
+    # ---- protocol ---------------------------------------------------------------------------------
+    def prefill(self, input_ids, attention_mask, target_out: TargetOutput, model_inputs: dict[str, Any], max_new_tokens):
+        if target_out.hidden_states is None:
+            raise ValueError("the target returned no last hidden state; EAGLE heads need FeatureRequest(last_hidden)")
+        self._prompt = (input_ids, attention_mask, target_out.hidden_states,
+                        self.prompt_embeds(input_ids, target_out.image_features))
+        cfg = self.tree
+        region = (2 * cfg.depth + cfg.depth * cfg.top_k) if cfg else 3 * self.num_draft_tokens
+        self._max_slots = input_ids.shape[1] + max_new_tokens + region + 4
+        self.kv = None
+        self.draft_calls = 0
+
+    def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
+        feats = self._prefill_head(roots) if self.kv is None else self._catch_up(roots)  # [B, H] at the root
+        logits = self.logits(feats)
+        if self.tree is not None:
+            return self._propose_tree(feats, logits)
+        B, K, device = roots.shape[0], self.num_draft_tokens, roots.device
+        tokens, probs = [], []
+        for i in range(K):
+            q = process_logits(logits, sampling)
+            d = q.argmax(-1) if sampling.greedy else sample_from(q, generator)
+            tokens.append(d)
+            probs.append(q)
+            if i < K - 1:
+                vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
+                depth = torch.full((B, 1), i, dtype=torch.long, device=device)
+                feats = self._forward(d.unsqueeze(1), feats.unsqueeze(1), depth, vis, i)[:, -1]
+                logits = self.logits(feats)
+        draft_probs = None if sampling.greedy else torch.stack(probs, 1)
+        return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)
+
+    def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
+        """The next catch-up runs the pairs (target feature, token) of the accepted path and the
+        new root: (h_root, a_1), ..., (h_{a_n}, next)."""
+        n, n_host = info.num_accepted, info.num_accepted_list
+        width = (max(n_host) if n_host else 0) + 1
+        B = n.shape[0]
+        rows = torch.arange(B, device=n.device)
+        toks = torch.cat([info.accepted_tokens[:, : width - 1].clamp_min(0), n.new_zeros(B, 1)], 1)
+        toks[rows, n] = info.next_tokens
+        self.pending_tokens = toks
+        self.pending_hidden = target_out.hidden_states.gather(
+            1, info.path[:, :width].unsqueeze(-1).expand(-1, -1, target_out.hidden_states.shape[-1]))
+        self.pending_count = n + 1
+        self.pending_host = [a + 1 for a in n_host]
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        if self.kv is None:  # rows ended with the prefill token: the prompt is not run yet
+            ids, mask, hidden, embeds = self._prompt
+            self._prompt = (ids[rows], mask[rows], hidden[rows], embeds[rows])
+            return
+        self.kv.select_rows(rows, rows_host)
+        self.pos_shift = self.pos_shift.index_select(0, rows)
+        self._select_state(rows)
+        self.pending_tokens = self.pending_tokens.index_select(0, rows)
+        self.pending_hidden = self.pending_hidden.index_select(0, rows)
+        self.pending_count = self.pending_count.index_select(0, rows)
+        self.pending_host = [self.pending_host[r] for r in rows_host]
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _select_state(self, rows):
+        """Per-row state of subclasses (ViSpec's global image vector)."""
+
+    def _fuse(self, embeds, hidden):
+        return self.head.fuse(embeds, hidden)
+
+    def _prefill_head(self, roots):
+        """Run the prompt's pairs (h_t, x_{t+1}), t = 0..L-1 (x_L = root) into a fresh cache."""
+        ids, mask, hidden, embeds = self._prompt
+        next_tokens = torch.cat([ids[:, 1:], roots.unsqueeze(1)], 1)
+        next_embeds = torch.cat([embeds[:, 1:], self.embed(roots.unsqueeze(1))], 1)
+        x, positions, mask2, _, state = self.head.prepare(next_tokens, next_embeds, hidden.to(self._dtype), mask)
+        self._set_state(state)
+        self.kv = RaggedKV(1, mask2, self._max_slots + x.shape[1])
+        attention = self.kv.plan_prefill(mask2)
+        out = self.head.decode(x, positions, attention.dense(), self.kv)
+        self.draft_calls += 1
+        self.pos_shift = positions[:, -1] - attention.q_pos[:, -1]  # kept positions vs cache slots
+        return out[:, -1]
+
+    def _set_state(self, state):
+        pass
+
+    def _forward(self, tokens, hidden, depth, vis, uncommitted):
+        attention = self.kv.plan(depth, vis, uncommitted)
+        x = self._fuse(self.embed(tokens), hidden.to(self._dtype))
+        self.draft_calls += 1
+        return self.head.decode(x, attention.q_pos + self.pos_shift.unsqueeze(1), attention.dense(), self.kv)
+
+    def _catch_up(self, roots):
+        B, P = self.pending_tokens.shape
+        rows = torch.arange(B, device=roots.device)
+        tokens = self.pending_tokens.clone()
+        tokens[rows, self.pending_count - 1] = roots
+        vis, depth = chain_visibility(B, P, roots.device)
+        out = self._forward(tokens, self.pending_hidden, depth, vis, 0)
+        self.kv.advance(self.pending_count, self.pending_host)
+        return out[rows, self.pending_count - 1]
+
+    def _propose_tree(self, root_feats, root_logits) -> Draft:
+        B = root_feats.shape[0]
+        k = self.tree.top_k
+        rows = torch.arange(B, device=root_feats.device).unsqueeze(1)
+        state = {"feats": root_feats.unsqueeze(1).expand(B, k, -1)}  # feature each frontier token was predicted from
+
+        def expand(frontier_tokens, parent_slot, level, vis, region):
+            parent_feats = state["feats"] if parent_slot is None else state["out"][rows, parent_slot]
+            depth = torch.full((B, k), level - 1, dtype=torch.long, device=root_feats.device)
+            out = self._forward(frontier_tokens, parent_feats, depth, vis, region)
+            state["out"] = out
+            return self.logits(out)
+
+        return grow_tree(root_logits, self.tree, expand)
+
+
+def check_head_fits(config: EagleHeadConfig, target, spec) -> None:
+    """Refuse a head trained for another target (width, vocabulary, image token)."""
+    source = getattr(target, "model", target)
+    text = None
+    if hasattr(source, "config"):
+        text = source.config.get_text_config() if hasattr(source.config, "get_text_config") else source.config
+    hidden = getattr(text, "hidden_size", None) if text is not None else None
+    if hidden is not None and int(hidden) != config.hidden_size:
+        raise ValueError(f"drafter head has hidden size {config.hidden_size} but the target's is {hidden}; "
+                         "it was trained for another target")
+    if config.vocab_size != spec.vocab_size:
+        raise ValueError(f"drafter head has vocabulary {config.vocab_size} but the target's is {spec.vocab_size}; "
+                         "it was trained for another target")
+    if hasattr(source, "config"):
+        image_token = getattr(source.config, "image_token_id", getattr(source.config, "image_token_index", None))
+        if image_token is not None and config.image_token_id is not None and int(image_token) != config.image_token_id:
+            raise ValueError(f"drafter head expects image token {config.image_token_id} but the target uses "
+                             f"{image_token}; it was trained for another target")
+        if image_token is None and config.image_token_id is not None:
+            raise ValueError(f"drafter head expects image token {config.image_token_id} but the target "
+                             f"{type(source).__name__} takes no images")

@@ -1,0 +1,137 @@
+"""`ViSpecDrafter`: an EAGLE-2 head with a vision adaptor (ViSpec).
+
+ViSpec (Kang et al., NeurIPS 2025, "ViSpec: Accelerating Vision-Language Models with
+Vision-Aware Speculative Decoding"; github.com/KangJialiang/ViSpec) observes that a small
+draft head cannot make sense of hundreds of low-density image tokens. Its head therefore:
+
+1. compresses every image span of the prompt with `num_q` learned queries that cross-attend
+   over the span's image embeddings (the target's merged image features): the first
+   `num_q - 1` outputs replace the whole span in the head's input, at the span's last
+   `num_q - 1` positions (positions are kept, so later text keeps its RoPE distance);
+2. keeps the last output as a *global image vector* g and fuses it into every later text
+   input through `img_fc = Linear(2H -> H)` on `concat(h, g)` (initialised as identity on h and
+   zero on g, so an untrained adaptor is a plain EAGLE head), before EAGLE's
+   `fc(concat(embed(x), .))`. Text before the first image sees g = 0.
+
+State-dict names follow the public layout: `imadpt.{q, k_proj, v_proj, o_proj}`, `img_fc`,
+plus the EAGLE head's `fc` and `layers.0`. Batched here (any number of image spans per row;
+rows with different compressed lengths are left-padded); chains and dynamic trees through
+`EagleHeadDrafter`. Limits: an image span shorter than `num_q - 1` tokens is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .eagle_head import EagleHead, EagleHeadConfig, EagleHeadDrafter
+
+
+class ImageAdaptor(nn.Module):
+    """`num_q` learned queries cross-attending over one image span ([n, H] -> [num_q, H])."""
+
+    def __init__(self, config: EagleHeadConfig):
+        super().__init__()
+        H = config.hidden_size
+        self.heads = config.num_attention_heads
+        self.num_q = config.num_q
+        self.q = nn.Parameter(torch.randn(config.num_q, H) * H ** -0.5)
+        self.k_proj = nn.Linear(H, H, bias=False)
+        self.v_proj = nn.Linear(H, H, bias=False)
+        self.o_proj = nn.Linear(H, H, bias=False)
+
+    def forward(self, span: torch.Tensor) -> torch.Tensor:
+        n, H = span.shape
+        d = H // self.heads
+        q = self.q.to(span.dtype).view(self.num_q, self.heads, d).transpose(0, 1)  # [h, num_q, d]
+        k = self.k_proj(span).view(n, self.heads, d).transpose(0, 1)
+        v = self.v_proj(span).view(n, self.heads, d).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v)  # [h, num_q, d]
+        return self.o_proj(out.transpose(0, 1).reshape(self.num_q, H))
+
+
+class ViSpecHead(EagleHead):
+    """EAGLE head + vision adaptor + global-image fusion."""
+
+    def __init__(self, config: EagleHeadConfig):
+        if config.image_token_id is None:
+            raise ValueError("a ViSpec head needs the target's image token id (EagleHeadConfig.image_token_id)")
+        super().__init__(config)
+        H = config.hidden_size
+        self.imadpt = ImageAdaptor(config)
+        self.img_fc = nn.Linear(2 * H, H, bias=config.fc_bias)
+        with torch.no_grad():
+            self.img_fc.weight.zero_()
+            self.img_fc.weight[:, :H].copy_(torch.eye(H))
+            if self.img_fc.bias is not None:
+                self.img_fc.bias.zero_()
+
+    def fuse(self, embeds, hidden, global_vec=None):
+        hidden = hidden.to(embeds.dtype)
+        g = torch.zeros_like(hidden) if global_vec is None else global_vec.to(hidden.dtype).expand_as(hidden)
+        return self.fc(torch.cat([embeds, self.img_fc(torch.cat([hidden, g], -1))], -1))
+
+    def prepare(self, next_tokens, embeds, hidden, mask):
+        """Compress every image span of each row (see the module docstring). Returns (inputs
+        [B, L', H], kept positions [B, L'], mask [B, L'], source pair index [B, L'], global [B, H])."""
+        B, L, H = embeds.shape
+        m = self.config.num_q - 1
+        is_img = (next_tokens == self.config.image_token_id) & mask.bool()
+        is_img[:, -1] = False  # the last pair's token is the root: generated text
+        real_host, img_host = mask.bool().tolist(), is_img.tolist()  # SYNC: once per request
+        rows, globals_ = [], []
+        for b in range(B):
+            start = real_host[b].index(True)
+            g = torch.zeros(H, dtype=embeds.dtype, device=embeds.device)
+            xs, pos, src = [], [], []
+            t = start
+            while t < L:
+                e = t
+                kind = img_host[b][t]
+                while e < L and img_host[b][e] == kind:
+                    e += 1
+                if kind:
+                    if e - t < m:
+                        raise ValueError(f"an image span of {e - t} tokens is shorter than the {m} tokens ViSpec keeps")
+                    adapted = self.imadpt(embeds[b, t:e])
+                    xs.append(adapted[:-1])
+                    g = adapted[-1]
+                    idx = torch.arange(e - m, e, device=embeds.device)
+                else:
+                    xs.append(self.fuse(embeds[b, t:e], hidden[b, t:e], g))
+                    idx = torch.arange(t, e, device=embeds.device)
+                src.append(idx)
+                pos.append(idx - start)
+                t = e
+            rows.append((torch.cat(xs), torch.cat(pos), torch.cat(src)))
+            globals_.append(g)
+        Lc = max(r[0].shape[0] for r in rows)
+        x = embeds.new_zeros(B, Lc, H)
+        positions = torch.zeros(B, Lc, dtype=torch.long, device=embeds.device)
+        src = torch.zeros_like(positions)
+        mask2 = torch.zeros_like(positions)
+        for b, (xb, pb, sb) in enumerate(rows):
+            n = xb.shape[0]
+            x[b, Lc - n:], positions[b, Lc - n:], src[b, Lc - n:], mask2[b, Lc - n:] = xb, pb, sb, 1
+        return x, positions, mask2, src, torch.stack(globals_)
+
+
+class ViSpecDrafter(EagleHeadDrafter):
+    """`EagleHeadDrafter` with a `ViSpecHead`: the prompt's image spans are compressed at the
+    first propose, and each row's global image vector is fused into every later input."""
+
+    def __init__(self, target, head: ViSpecHead, num_draft_tokens: int = 4, tree=None):
+        if not isinstance(head, ViSpecHead):
+            raise TypeError(f"ViSpecDrafter needs a ViSpecHead, got {type(head).__name__}")
+        super().__init__(target, head, num_draft_tokens, tree)
+        self.global_vec: torch.Tensor | None = None  # [B, H]
+
+    def _set_state(self, state):
+        self.global_vec = state
+
+    def _select_state(self, rows):
+        self.global_vec = self.global_vec.index_select(0, rows)
+
+    def _fuse(self, embeds, hidden):
+        return self.head.fuse(embeds, hidden, self.global_vec.unsqueeze(1))

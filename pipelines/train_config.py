@@ -1,0 +1,46 @@
+"""`TrainDrafterConfig`: the options of `mmspec train-drafter` (no heavy imports, so the CLI
+can build its parser from the fields without loading torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("text", "eagle", "vispec")
+
+
+@dataclass(frozen=True)
+class TrainDrafterConfig:
+    pipeline: str
+    drafter: str
+    out: str
+    data: str | None = None  # folder of images (+ scenes.jsonl); None = testbed scenes
+    num_images: int = 64
+    answer_tokens: int = 32  # max new tokens of the regenerated answers
+    steps: int = 200
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-4
+    ttt_steps: int = 1  # extra unrolled forwards on the head's own features (feature drafters)
+    feature_weight: float = 1.0
+    ce_weight: float = 0.1
+    text_layers: int = 1  # text drafter: decoder layers of the small LM
+    num_draft_tokens: int = 4
+    tree_depth: int = 0  # > 0: save the drafter with a dynamic tree of this depth
+    tree_top_k: int = 4
+    tree_num_nodes: int = 16
+    device: str = "cpu"
+    bf16: bool = False
+    save_every: int = 50
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.drafter not in KINDS:
+            raise ValueError(f"--drafter must be one of {KINDS}, got {self.drafter!r}")
+        for name in ("num_images", "answer_tokens", "steps", "batch_size", "grad_accum", "save_every", "text_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ttt_steps < 0:
+            raise ValueError(f"ttt_steps must be >= 0, got {self.ttt_steps}")
+        if self.bf16 and not self.device.startswith("cuda"):
+            raise ValueError("bf16 training needs --device cuda")

@@ -1,0 +1,286 @@
+"""`mmspec train-drafter`: online distillation of a VLM drafter from its target.
+
+    mmspec train-drafter --pipeline DIR --drafter text|eagle|vispec --out DIR [--data DIR] [--steps N]
+
+1. Data: images with prompts (a folder of images, optionally with the testbed's `scenes.jsonl`
+   for questions; by default testbed scenes rendered on the fly), and the *target's own greedy
+   answers* to them, regenerated once through the pipeline (as EAGLE / ViSpec do: the drafter
+   learns the target's distribution, not the dataset's). Only token ids are kept (`data.pt`).
+2. Teacher signals are computed on the fly at every step (nothing stored): the target's
+   final hidden states, its logits, and the decoder's input embeddings (image features merged),
+   captured with forward hooks on the language model.
+3. Loss (EAGLE, Li et al. 2024; SpecVLM's online-logit distillation): feature heads
+   `SmoothL1(f_{t+1}, h_{t+1}) + 0.1 * CE(p_target(t+1), softmax(lm_head(f_{t+1})))` over the
+   text pairs; the text drafter `CE(p_target, p_drafter)` (soft labels) over text tokens. The CE
+   is reported minus the target's entropy (= KL, 0 at a perfect match; same gradient).
+4. Training-time test (HASS, EAGLE-3): `--ttt-steps` extra unrolled forwards in which the head
+   reads its *own* predicted features instead of the target's, so that it learns to draft
+   from its own outputs (what it does at inference) instead of the shortcut h_t -> h_{t+1}.
+5. AdamW, gradient accumulation, bf16 autocast on CUDA; `checkpoint.pt` every `--save-every`
+   steps (model, optimiser, RNG) and automatic resume; tqdm progress; losses logged to
+   `train_log.jsonl`; the result is a `DrafterComponent` folder loadable with
+   `pipe.load_drafter(DIR)`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .train_config import KINDS, TrainDrafterConfig
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+def data_items(config: TrainDrafterConfig) -> list[tuple]:
+    """(image, prompt) pairs: prompt None = the pipeline's caption prompt."""
+    rng = random.Random(config.seed)
+    if config.data is None:
+        from mmspec.testbed.world import World
+
+        world = World(seed=config.seed, split="train")
+        items = []
+        for i in range(config.num_images):
+            scene = world.scene(i)
+            q = scene.qa[rng.randrange(len(scene.qa))][0] if scene.qa and i % 2 else None
+            items.append((scene.image, q))
+        return items
+    folder = Path(config.data)
+    if not folder.is_dir():
+        raise ValueError(f"--data {folder} is not a folder")
+    index = folder / "scenes.jsonl"
+    if index.is_file():
+        rows = [json.loads(line) for line in index.read_text().splitlines() if line.strip()]
+        items = [(folder / r["image"], (r["qa"][rng.randrange(len(r["qa"]))][0] if r.get("qa") and i % 2 else None))
+                 for i, r in enumerate(rows)]
+    else:
+        files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".bmp", ".webp"))
+        items = [(p, None) for p in files]
+    if not items:
+        raise ValueError(f"--data {folder} holds no images")
+    return items[: config.num_images]
+
+
+@torch.no_grad()
+def regenerate(pipe, items, config: TrainDrafterConfig) -> list[dict]:
+    """The target's greedy answers, one encoded example per item (prompt ids + answer ids + image inputs)."""
+    from tqdm import tqdm
+
+    examples = []
+    bs = config.batch_size
+    for start in tqdm(range(0, len(items), bs), desc="regenerate answers", disable=not config.progress):
+        chunk = items[start:start + bs]
+        out = pipe([im for im, _ in chunk], [p for _, p in chunk], max_new_tokens=config.answer_tokens,
+                   speculative=False, batch_size=bs)
+        for (image, prompt), answer, err in zip(chunk, out.sequences, out.errors):
+            if err is not None:
+                raise ValueError(err)
+            loaded = pipe._load_images(image)
+            enc = pipe.processor(images=loaded, text=[pipe._prompt(prompt, len(loaded))], return_tensors="pt")
+            ids = torch.cat([enc["input_ids"][0], answer.cpu()])
+            extra = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")
+                     and k in pipe._spec_target.spec.forward_params}
+            examples.append({"ids": ids, "prompt_len": int(enc["input_ids"].shape[1]), "inputs": extra})
+    return examples
+
+
+def collate(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    L = max(len(e["ids"]) for e in examples)
+    ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    inputs: dict[str, list] = {}
+    for b, e in enumerate(examples):
+        n = len(e["ids"])
+        ids[b, L - n:], mask[b, L - n:] = e["ids"], 1
+        for k, v in e["inputs"].items():
+            if v.dim() == 2 and v.shape[0] == 1 and v.shape[1] == e["prompt_len"]:  # per-token (mm_token_type_ids)
+                row = torch.zeros(1, L, dtype=v.dtype)
+                row[0, L - n:L - n + v.shape[1]] = v[0]
+                v = row
+            inputs.setdefault(k, []).append(v)
+    return ids, mask, {k: torch.cat(v) for k, v in inputs.items()}
+
+
+# ---- teacher ------------------------------------------------------------------------------------------
+@torch.no_grad()
+def teacher(model, ids, mask, inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input embeddings with image features merged, final hidden states, logits), all [B, L, .]."""
+    decoder = model.get_decoder()
+    seen = {}
+
+    def pre(module, args, kwargs):
+        seen["embeds"] = kwargs.get("inputs_embeds")
+
+    def post(module, args, output):
+        seen["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    handles = [decoder.register_forward_pre_hook(pre, with_kwargs=True), decoder.register_forward_hook(post)]
+    try:
+        out = model(input_ids=ids, attention_mask=mask, **inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    embeds = seen["embeds"] if seen.get("embeds") is not None else model.get_input_embeddings()(ids)
+    return embeds, seen["hidden"], out.logits
+
+
+# ---- losses -------------------------------------------------------------------------------------------
+def soft_ce(student_logits, teacher_logits):
+    """CE(p_teacher, p_student) minus the teacher's entropy, i.e. KL(p_teacher || p_student): the
+    same gradient as the cross-entropy, and 0 when the drafter matches the target."""
+    logp_t = F.log_softmax(teacher_logits.float(), -1)
+    return (logp_t.exp() * (logp_t - F.log_softmax(student_logits.float(), -1))).sum(-1)
+
+
+def head_loss(head, lm_head, ids, mask, embeds, hidden, logits, image_token, config: TrainDrafterConfig):
+    """Feature + CE loss of an EAGLE / ViSpec head, with `ttt_steps` unrolled forwards."""
+    dtype = next(head.parameters()).dtype
+    nxt = ids[:, 1:]
+    pair_mask = mask[:, :-1] * mask[:, 1:]
+    text = pair_mask.bool() if image_token is None else pair_mask.bool() & (nxt != image_token)
+    h_in = hidden[:, :-1].to(dtype)
+    e_in = embeds[:, 1:].to(dtype)
+    total, parts = 0.0, []
+    for _ in range(config.ttt_steps + 1):
+        f, _, out_mask, src = head.forward_full(nxt, e_in, h_in, pair_mask)
+        rows = torch.arange(ids.shape[0]).unsqueeze(1)
+        valid = out_mask.bool() & text[rows, src]
+        tgt_h = hidden[rows, src + 1].to(f.dtype)
+        tgt_logits = logits[rows, src + 1]
+        feat = F.smooth_l1_loss(f, tgt_h, reduction="none").mean(-1)
+        ce = soft_ce(lm_head(f.to(lm_head.weight.dtype)), tgt_logits)
+        loss = ((config.feature_weight * feat + config.ce_weight * ce) * valid).sum() / valid.sum().clamp_min(1)
+        total = total + loss
+        parts.append(float(loss.detach()))
+        # Next unroll: the head reads its own predicted features where it made one.
+        pred = h_in.clone()
+        ok = valid & (src + 1 < h_in.shape[1])
+        pred[rows.expand_as(src)[ok], (src + 1)[ok]] = f[ok].to(pred.dtype)
+        h_in = pred
+    return total / (config.ttt_steps + 1), parts
+
+
+def text_loss(lm, ids, mask, logits, image_token):
+    student = lm(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    valid = (mask[:, :-1] * mask[:, 1:]).bool()
+    if image_token is not None:
+        valid &= ids[:, 1:] != image_token
+    ce = soft_ce(student, logits[:, :-1])
+    loss = (ce * valid).sum() / valid.sum().clamp_min(1)
+    return loss, [float(loss.detach())]
+
+
+# ---- the drafter being trained --------------------------------------------------------------------------
+def new_drafter(pipe, config: TrainDrafterConfig):
+    from mmspec.drafters import EagleHeadConfig
+    from mmspec.drafters.eagle_head import head_class
+
+    target = pipe.target
+    if config.drafter == "text":
+        import copy
+
+        from transformers import AutoModelForCausalLM
+
+        text = copy.deepcopy(target.config.get_text_config())
+        text.num_hidden_layers = config.text_layers
+        if hasattr(text, "layer_types") and text.layer_types:
+            text.layer_types = text.layer_types[: config.text_layers]
+        text.tie_word_embeddings = False
+        lm = AutoModelForCausalLM.from_config(text).float()
+        with torch.no_grad():  # start from the target's embedding and LM head
+            lm.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight.float())
+            lm.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight.float())
+        return lm
+    return head_class(config.drafter)(EagleHeadConfig.for_target(target, kind=config.drafter)).float()
+
+
+def component(drafter, config: TrainDrafterConfig):
+    from mmspec.types import TreeConfig
+
+    from .vlm_drafter import DrafterComponent
+
+    tree = TreeConfig(config.tree_depth, config.tree_top_k, config.tree_num_nodes) if config.tree_depth else None
+    if config.drafter == "text":
+        return DrafterComponent.from_lm(drafter, config.num_draft_tokens, tree)
+    return DrafterComponent.from_head(drafter, config.num_draft_tokens, tree)
+
+
+def step_loss(pipe, drafter, batch, config: TrainDrafterConfig):
+    ids, mask, inputs = batch
+    device = torch.device(config.device)
+    ids, mask = ids.to(device), mask.to(device)
+    inputs = {k: (v.to(device, pipe.target.dtype) if torch.is_floating_point(v) else v.to(device))
+              for k, v in inputs.items()}
+    embeds, hidden, logits = teacher(pipe.target, ids, mask, inputs)
+    image_token = getattr(pipe.target.config, "image_token_id", getattr(pipe.target.config, "image_token_index", None))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=config.bf16):
+        if config.drafter == "text":
+            return text_loss(drafter, ids, mask, logits, image_token)
+        return head_loss(drafter, pipe.target.get_output_embeddings(), ids, mask, embeds, hidden, logits,
+                         image_token, config)
+
+
+# ---- the loop -------------------------------------------------------------------------------------------
+def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
+    """Train (or resume) and save the drafter; returns {"losses": [...], "out": dir}."""
+    from tqdm import tqdm
+
+    from .vlm import SpeculativeVLMPipeline
+
+    torch.manual_seed(config.seed)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if pipe is None:
+        pipe = SpeculativeVLMPipeline.from_pretrained(config.pipeline, dtype=torch.float32)
+    pipe.target.to(config.device).requires_grad_(False)
+    data_path = out / "data.pt"
+    if data_path.is_file():
+        examples = torch.load(data_path, weights_only=False)
+    else:
+        examples = regenerate(pipe, data_items(config), config)
+        torch.save(examples, data_path)
+    drafter = new_drafter(pipe, config).to(config.device).train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    ckpt_path, log_path = out / "checkpoint.pt", out / "train_log.jsonl"
+    start, rng = 0, random.Random(config.seed)
+    if ckpt_path.is_file():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        if ckpt["config"]["drafter"] != config.drafter:
+            raise ValueError(f"{ckpt_path} holds a {ckpt['config']['drafter']!r} drafter, not {config.drafter!r}; "
+                             "use another --out")
+        drafter.load_state_dict(ckpt["model"])
+        optim.load_state_dict(ckpt["optim"])
+        start = ckpt["step"]
+        rng.setstate(ckpt["rng"])
+        torch.set_rng_state(ckpt["torch_rng"])
+    pad = pipe.processor.tokenizer.pad_token_id or 0
+    losses = []
+    bar = tqdm(range(start, config.steps), desc=f"train {config.drafter} drafter", disable=not config.progress,
+               initial=start, total=config.steps)
+    for step in bar:
+        optim.zero_grad(set_to_none=True)
+        parts_sum = None
+        for _ in range(config.grad_accum):
+            batch = collate(rng.sample(examples, min(config.batch_size, len(examples))), pad)
+            loss, parts = step_loss(pipe, drafter, batch, config)
+            (loss / config.grad_accum).backward()
+            parts_sum = parts if parts_sum is None else [a + b for a, b in zip(parts_sum, parts)]
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        parts_mean = [p / config.grad_accum for p in parts_sum]
+        losses.append(parts_mean[0])
+        bar.set_postfix(loss=f"{parts_mean[0]:.4f}")
+        with log_path.open("a") as f:
+            f.write(json.dumps({"step": step + 1, "loss": parts_mean[0], "unrolled": parts_mean[1:]}) + "\n")
+        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
+            torch.save({"step": step + 1, "model": drafter.state_dict(), "optim": optim.state_dict(),
+                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "config": asdict(config)},
+                       ckpt_path)
+    drafter.eval()
+    component(drafter.cpu(), config).save_pretrained(str(out))
+    return {"losses": losses, "out": str(out)}

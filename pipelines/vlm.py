@@ -1,0 +1,293 @@
+"""`SpeculativeVLMPipeline`: captions and answers about images with speculative decoding.
+
+diffusers conventions (components registered and swappable, `save_pretrained` /
+`from_pretrained`, one `__call__`, an output dataclass):
+
+    pipe = SpeculativeVLMPipeline.from_pretrained("saved_pipeline")               # target + processor + drafters
+    pipe = SpeculativeVLMPipeline.from_pretrained("llava_checkpoint", drafter="my_eagle_head")
+    out = pipe(["a.png", "b.png"], ["what colour is the circle?", None], max_new_tokens=64)
+    out.texts, out.sequences, out.stats, out.errors
+
+Components: `target` (a transformers LLaVA-1.5 / LLaVA-NeXT / Qwen2-VL / Qwen2.5-VL model), its
+`processor` (chat template, image preprocessing, tokenizer; padded on the left), and the active
+`drafter` (a `DrafterComponent`: text LM, EAGLE head or ViSpec head). A saved pipeline keeps
+every drafter added to it under `drafters/<name>/`; `pipe.load_drafter(name_or_dir)` switches.
+
+Prompts go through the processor's chat template (one image, then the text); `None` captions
+with `caption_prompt`; a prompt that already contains the image placeholder is used verbatim.
+`speculative=False` decodes plainly through the same loop and target code (a drafter that
+drafts nothing), so both paths are compared like for like. Greedy (`temperature=0`) output is
+identical either way; `acceptance="exact"` keeps sampled output distributed like the target.
+
+Errors: bad input (an image placeholder without an image, more images than placeholders, a
+drafter built for another target, an unsupported model type) raises ValueError naming it;
+an image file that is missing or cannot be decoded is reported in that item's `errors` entry
+(its text is None) while the rest of the batch is answered.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import DiffusionPipeline
+
+from mmspec.engine import speculative_generate
+from mmspec.models.hf_target import HFTarget
+from mmspec.stats import SpecStats
+
+from .vlm_drafter import DrafterComponent, PlainDecoding
+
+SUPPORTED_MODEL_TYPES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+DEFAULT_CAPTION_PROMPT = "Describe the image."
+INDEX = "model_index.json"
+
+
+@dataclass
+class VLMPipelineOutput:
+    texts: list[str | None]  # one per item; None where the item failed (see errors)
+    sequences: list[torch.Tensor | None]  # generated token ids per item (EOS included when reached)
+    stats: SpecStats  # summed over the batch chunks
+    errors: list[str | None] = field(default_factory=list)  # per item: what went wrong, naming the file
+
+
+def check_target(model) -> None:
+    model_type = str(getattr(getattr(model, "config", None), "model_type", ""))
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"SpeculativeVLMPipeline supports model types {SUPPORTED_MODEL_TYPES}; "
+                         f"{type(model).__name__} is {model_type!r}")
+
+
+def merge_stats(parts: list[SpecStats]) -> SpecStats:
+    out = SpecStats()
+    for s in parts:
+        for f in fields(SpecStats):
+            a, b = getattr(out, f.name), getattr(s, f.name)
+            if isinstance(a, bool):
+                setattr(out, f.name, a and b)
+            elif isinstance(a, list):
+                if f.name == "accept_counts":
+                    n = max(len(a), len(b))
+                    setattr(out, f.name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
+                else:
+                    setattr(out, f.name, a + b)
+            elif isinstance(a, (int, float)) and isinstance(b, (int, float)):
+                setattr(out, f.name, a + b)
+            elif isinstance(a, str):
+                setattr(out, f.name, a or b)
+            elif b is not None:
+                setattr(out, f.name, b if a is None else a + b)
+    return out
+
+
+class SpeculativeVLMPipeline(DiffusionPipeline):
+    def __init__(self, target, processor, drafter: DrafterComponent | None = None,
+                 caption_prompt: str = DEFAULT_CAPTION_PROMPT):
+        super().__init__()
+        check_target(target)
+        self.register_modules(target=target.eval(), processor=processor, drafter=drafter)
+        self.register_to_config(caption_prompt=caption_prompt)
+        self.drafters: dict[str, DrafterComponent] = {}
+        self._spec_target = HFTarget(target)
+        self._built: dict[int, Any] = {}
+        tok = processor.tokenizer
+        tok.padding_side = "left"  # batched decoding continues every row from its last column
+        self.image_token = getattr(processor, "image_token", None) or getattr(tok, "image_token", None)
+        if drafter is not None:
+            self._check_drafter(drafter)
+
+    # ---- drafters ---------------------------------------------------------------------------------
+    def _check_drafter(self, drafter) -> Any:
+        if not isinstance(drafter, DrafterComponent):
+            raise TypeError(f"drafter must be a DrafterComponent, got {type(drafter).__name__}")
+        key = id(drafter)
+        if key not in self._built:
+            torch.nn.Module.to(drafter, self.target.dtype)  # (ModelMixin.to warns about fp32 modules; none here)
+            self._built[key] = drafter.build(self._spec_target)  # ValueError if built for another target
+        return self._built[key]
+
+    def add_drafter(self, name: str, drafter: DrafterComponent, *, active: bool = True) -> None:
+        self._check_drafter(drafter)
+        self.drafters[name] = drafter
+        if active:
+            self.drafter = drafter
+
+    def load_drafter(self, name_or_dir) -> DrafterComponent:
+        """Make a drafter active: one saved with this pipeline (by name) or a saved drafter folder."""
+        if isinstance(name_or_dir, str) and name_or_dir in self.drafters:
+            self.drafter = self.drafters[name_or_dir]
+            return self.drafter
+        path = Path(name_or_dir)
+        if not (path / DrafterComponent.config_name).is_file():
+            known = sorted(self.drafters) or "none"
+            raise ValueError(f"no drafter {str(name_or_dir)!r}: not one saved with this pipeline ({known}) and not a "
+                             "folder holding a saved DrafterComponent")
+        drafter = DrafterComponent.from_pretrained(str(path), low_cpu_mem_usage=False, torch_dtype=self.target.dtype)
+        self.add_drafter(path.name, drafter)
+        return drafter
+
+    # ---- save / load ----------------------------------------------------------------------------------
+    def save_pretrained(self, directory, **_) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.target.save_pretrained(d / "target")
+        self.processor.save_pretrained(d / "processor")
+        names = dict(self.drafters)
+        default = next((n for n, c in names.items() if c is self.drafter), None)
+        if self.drafter is not None and default is None:
+            default = "default"
+            names[default] = self.drafter
+        for name, comp in names.items():
+            comp.save_pretrained(d / "drafters" / name)
+        import diffusers
+
+        index = {"_class_name": type(self).__name__, "_diffusers_version": diffusers.__version__,
+                 "target": ["transformers", type(self.target).__name__],
+                 "processor": ["transformers", type(self.processor).__name__],
+                 "drafter": ["mmspec.pipelines.vlm_drafter", "DrafterComponent"] if default else [None, None],
+                 "drafters": sorted(names), "default_drafter": default,
+                 "caption_prompt": self.config.caption_prompt}
+        (d / INDEX).write_text(json.dumps(index, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, directory, drafter=None, *, dtype: torch.dtype | None = None, **_) -> "SpeculativeVLMPipeline":
+        """A saved pipeline folder, or a transformers checkpoint folder (model + processor) with
+        `drafter` = a DrafterComponent, a saved drafter folder, or None (plain decoding only)."""
+        import transformers
+
+        d = Path(directory)
+        if not d.is_dir():
+            raise ValueError(f"{d} is not a folder (pipelines load from local folders only)")
+        index = json.loads((d / INDEX).read_text()) if (d / INDEX).is_file() else None
+        target_dir, proc_dir = (d / "target", d / "processor") if index else (d, d)
+        config = transformers.AutoConfig.from_pretrained(target_dir)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"SpeculativeVLMPipeline supports model types {SUPPORTED_MODEL_TYPES}; {target_dir} holds "
+                             f"a {config.model_type!r} model")
+        model_cls = getattr(transformers, index["target"][1]) if index else transformers.AutoModelForImageTextToText
+        target = model_cls.from_pretrained(target_dir, **({"dtype": dtype} if dtype is not None else {}))
+        processor = transformers.AutoProcessor.from_pretrained(proc_dir)
+        pipe = cls(target, processor, None, caption_prompt=(index or {}).get("caption_prompt", DEFAULT_CAPTION_PROMPT))
+        if index:
+            for name in index.get("drafters", []):
+                comp = DrafterComponent.from_pretrained(str(d / "drafters" / name), low_cpu_mem_usage=False,
+                                                        torch_dtype=target.dtype)
+                pipe.add_drafter(name, comp, active=False)
+            if index.get("default_drafter"):
+                pipe.load_drafter(index["default_drafter"])
+        if isinstance(drafter, DrafterComponent):
+            pipe.add_drafter("drafter", drafter)
+        elif drafter is not None:
+            pipe.load_drafter(drafter)
+        return pipe
+
+    # ---- inputs ------------------------------------------------------------------------------------
+    def _load_images(self, item) -> list:
+        """An item's images: None (text only), one image, or a list of them (PIL or paths)."""
+        if item is None:
+            return []
+        return [self._load_image(x) for x in (item if isinstance(item, (list, tuple)) else [item])]
+
+    def _load_image(self, item):
+        from PIL import Image
+
+        if isinstance(item, Image.Image):
+            return item
+        if isinstance(item, (str, Path)):
+            try:
+                with Image.open(item) as im:
+                    return im.convert("RGB")
+            except FileNotFoundError:
+                raise OSError(f"image file {str(item)!r} not found") from None
+            except Exception as e:  # PIL raises several types for undecodable files
+                raise OSError(f"image file {str(item)!r} could not be read ({type(e).__name__}: {e})") from None
+        raise ValueError(f"images must be PIL images, file paths or None, got {type(item).__name__}")
+
+    def _prompt(self, text: str | None, n_images: int) -> str:
+        text = self.config.caption_prompt if text is None else text
+        if not isinstance(text, str):
+            raise ValueError(f"prompts must be strings or None, got {type(text).__name__}")
+        placeholders = text.count(self.image_token) if self.image_token else 0
+        if placeholders or (n_images and self.image_token is None):  # verbatim: it must carry exactly the images given
+            if n_images == 0:
+                raise ValueError(f"prompt {text!r} has an image placeholder {self.image_token!r} but no image was given")
+            if n_images > placeholders:
+                raise ValueError(f"more images ({n_images}) than image placeholders ({placeholders}) in prompt {text!r}")
+            if n_images < placeholders:
+                raise ValueError(f"prompt {text!r} has {placeholders} image placeholders for {n_images} image(s)")
+            return text
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+        if getattr(self.processor, "chat_template", None):
+            return self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        return " ".join([self.image_token] * n_images + [text])
+
+    # ---- call ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, images, prompts=None, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, acceptance: Any = "exact",
+                 speculative: bool = True, generator: torch.Generator | None = None,
+                 batch_size: int | None = None) -> VLMPipelineOutput:
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        n = len(images)
+        if prompts is None or isinstance(prompts, str):
+            prompts = [prompts] * n
+        if len(prompts) != n:
+            raise ValueError(f"{len(prompts)} prompts for {n} images; give one prompt per image (None = caption)")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
+        if speculative and self.drafter is None:
+            raise ValueError("speculative=True needs a drafter: pass drafter= to from_pretrained, call "
+                             "pipe.load_drafter(...), or use speculative=False")
+        drafter = self._check_drafter(self.drafter) if speculative else PlainDecoding(self._spec_target.vocab_size)
+        texts: list[str | None] = [None] * n
+        seqs: list[torch.Tensor | None] = [None] * n
+        errors: list[str | None] = [None] * n
+        ready = []
+        for i, (img, text) in enumerate(zip(images, prompts)):
+            try:
+                loaded = self._load_images(img)
+            except OSError as e:
+                errors[i] = str(e)
+                continue
+            ready.append((i, loaded, self._prompt(text, len(loaded))))
+        stats = []
+        groups = [[r for r in ready if bool(r[1]) == flag] for flag in (True, False)]
+        for group in groups:
+            size = batch_size or max(len(group), 1)
+            for start in range(0, len(group), size):
+                chunk = group[start:start + size]
+                out = self._generate(chunk, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, acceptance=acceptance, generator=generator)
+                stats.append(out.stats)
+                L = out.sequences.shape[1] - max(out.stats.new_tokens)
+                for row, (i, _, _) in enumerate(chunk):
+                    seqs[i] = out.sequences[row, L:L + out.stats.new_tokens[row]]
+                    texts[i] = self.processor.tokenizer.decode(seqs[i], skip_special_tokens=True).strip()
+        return VLMPipelineOutput(texts=texts, sequences=seqs, stats=merge_stats(stats), errors=errors)
+
+    def _generate(self, chunk, drafter, **options):
+        images = [image for _, loaded, _ in chunk for image in loaded]
+        enc = self.processor(images=images or None, text=[p for _, _, p in chunk], return_tensors="pt", padding=True)
+        params = self._spec_target.spec.forward_params
+        inputs = {k: v for k, v in enc.items() if k in params and k not in ("input_ids", "attention_mask")}
+        for k, v in inputs.items():
+            if torch.is_floating_point(v):
+                inputs[k] = v.to(self.target.dtype)
+        ids = enc["input_ids"]
+        if self.image_token is not None and images:
+            self._check_placeholders(ids, len(images))
+        eos = self.target.generation_config.eos_token_id
+        if eos is None:
+            eos = self.processor.tokenizer.eos_token_id
+        pad = self.processor.tokenizer.pad_token_id
+        return speculative_generate(self._spec_target, drafter, ids, enc["attention_mask"], eos_token_id=eos,
+                                    pad_token_id=pad if pad is not None else 0, **options, **inputs)
+
+    def _check_placeholders(self, ids, n_images):
+        tok_id = self.processor.tokenizer.convert_tokens_to_ids(self.image_token)
+        if int((ids == tok_id).sum()) == 0:
+            raise ValueError(f"{n_images} images but the processed prompts carry no image token {self.image_token!r}")

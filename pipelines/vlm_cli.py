@@ -1,0 +1,156 @@
+"""VLM commands of the `mmspec` CLI (imports stay inside the functions: `mmspec --help` is instant).
+
+    mmspec caption IMAGE... [--model DIR] [--drafter NAME] [--batch-size N] [--compare] [--json]
+    mmspec vqa IMAGE --question TEXT [--model DIR] [--drafter NAME] [--compare] [--json]
+    mmspec train-drafter --pipeline DIR --drafter text|eagle|vispec --out DIR [...]
+
+`--model` is a saved `SpeculativeVLMPipeline` folder (or a transformers VLM checkpoint folder
+with its processor, then `--drafter` is a saved drafter folder). It defaults to the bundled
+testbed VLM (assets/testbed/vlm) once one is bundled. `--compare` also decodes plainly through
+the same code and reports the wall-clock speed-up and whether the answers are identical.
+Options of `train-drafter` map one to one onto `TrainDrafterConfig` fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+BUNDLED_VLM = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
+
+
+def _model_dir(args) -> str:
+    if args.model:
+        return args.model
+    if (BUNDLED_VLM / "model_index.json").is_file():
+        return str(BUNDLED_VLM)
+    raise SystemExit(f"mmspec {args.command}: no testbed VLM is bundled yet ({BUNDLED_VLM} is missing); "
+                     "pass --model DIR (a saved SpeculativeVLMPipeline or a transformers VLM checkpoint folder)")
+
+
+def _run(args, images, prompts) -> int:
+    import torch
+
+    from .vlm import SpeculativeVLMPipeline
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        pipe = SpeculativeVLMPipeline.from_pretrained(_model_dir(args), drafter=None)
+        if args.drafter:
+            pipe.load_drafter(args.drafter)
+    except ValueError as e:
+        raise SystemExit(f"mmspec {args.command}: {e}") from None
+    speculative = pipe.drafter is not None
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
+                   generator=torch.Generator().manual_seed(args.seed))
+    try:
+        out = pipe(images, prompts, speculative=speculative, **options)
+        plain = None
+        if args.compare:
+            options["generator"] = torch.Generator().manual_seed(args.seed)
+            plain = pipe(images, prompts, speculative=False, **options)
+    except ValueError as e:
+        raise SystemExit(f"mmspec {args.command}: {e}") from None
+    s = out.stats
+    report = {
+        "model": _model_dir(args), "drafter": args.drafter or ("default" if speculative else None),
+        "items": [{"image": str(img), "prompt": p, "answer": t, "error": e}
+                  for img, p, t, e in zip(images, prompts, out.texts, out.errors)],
+        "mean_accepted_length": s.mean_accepted_length, "target_calls": s.target_calls,
+        "new_tokens": sum(s.new_tokens), "seconds": s.total_seconds,
+    }
+    if plain is not None:
+        report["plain_seconds"] = plain.stats.total_seconds
+        report["speedup"] = plain.stats.total_seconds / s.total_seconds if s.total_seconds > 0 else None
+        report["identical_to_plain"] = plain.texts == out.texts
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for item in report["items"]:
+            head = item["image"] + (f" [{item['prompt']}]" if item["prompt"] else "")
+            print(f"{head}: {item['answer'] if item['error'] is None else 'ERROR ' + item['error']}")
+        line = (f"{report['new_tokens']} tokens in {s.total_seconds:.2f}s; "
+                + (f"mean accepted length {s.mean_accepted_length:.2f} ({s.target_calls} target calls)"
+                   if speculative else "plain decoding (no drafter)"))
+        if plain is not None:
+            line += (f"; plain {plain.stats.total_seconds:.2f}s, speed-up {report['speedup']:.2f}x, answers "
+                     + ("identical" if report["identical_to_plain"] else "DIFFER"))
+        print(line)
+    return 1 if any(e is not None for e in out.errors) else 0
+
+
+def cmd_caption(args) -> int:
+    return _run(args, list(args.images), [None] * len(args.images))
+
+
+def cmd_vqa(args) -> int:
+    return _run(args, [args.image], [args.question])
+
+
+def cmd_train_drafter(args) -> int:
+    from .train_config import TrainDrafterConfig
+    from .train_drafter import train_drafter
+
+    names = {f.name for f in dataclasses.fields(TrainDrafterConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["progress"] = not args.no_progress
+    try:
+        config = TrainDrafterConfig(**values)
+        result = train_drafter(config)
+    except ValueError as e:
+        raise SystemExit(f"mmspec train-drafter: {e}") from None
+    losses = result["losses"]
+    if losses:
+        print(f"trained {config.drafter} drafter: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+    print(f"saved to {result['out']} (load with pipe.load_drafter or --drafter)")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="saved pipeline or transformers VLM folder (default: bundled VLM)")
+    p.add_argument("--drafter", default=None, help="drafter name saved with the pipeline, or a drafter folder")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--compare", action="store_true", help="also decode plainly: speed-up and identical answers")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def add_subparsers(sub) -> None:
+    p = sub.add_parser("caption", help="caption images with speculative decoding")
+    p.add_argument("images", nargs="+")
+    _common(p)
+    p.set_defaults(func=cmd_caption)
+    p = sub.add_parser("vqa", help="answer a question about an image")
+    p.add_argument("image")
+    p.add_argument("--question", required=True)
+    _common(p)
+    p.set_defaults(func=cmd_vqa)
+    p = sub.add_parser("train-drafter", help="distil a text / EAGLE / ViSpec drafter from a pipeline's target")
+    from .train_config import TrainDrafterConfig
+
+    for f in dataclasses.fields(TrainDrafterConfig):
+        if f.name == "progress":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, action="store_true")
+        elif f.default is dataclasses.MISSING:
+            p.add_argument(flag, required=True)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            p.add_argument(flag, type=kind, default=f.default)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_train_drafter)
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - `mmspec` is the entry point
+    from mmspec.cli import main as cli_main
+
+    return cli_main(argv if argv is not None else sys.argv[1:])

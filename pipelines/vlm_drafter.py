@@ -1,0 +1,112 @@
+"""Drafters as diffusers pipeline components, and plain decoding through the same loop.
+
+`DrafterComponent` (a diffusers `ModelMixin` + `ConfigMixin`, so it saves and loads like any
+pipeline component) holds the trainable part of one of mmspec's VLM drafters:
+
+- `kind="text"`: a small causal LM sharing the target's tokenizer (`ModelDrafter`);
+- `kind="eagle"`: an EAGLE-2 head (`EagleHeadDrafter`; embedding and LM head are the target's);
+- `kind="vispec"`: an EAGLE head with ViSpec's vision adaptor (`ViSpecDrafter`).
+
+`build(target)` returns the runtime drafter for a target (checking that the head was built
+for it: width, vocabulary, image token). `PlainDecoding` drafts nothing, so
+`speculative=False` runs plain decoding through the same target code.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import ConfigMixin, ModelMixin
+from diffusers.configuration_utils import register_to_config
+
+from mmspec.drafters import EagleHeadConfig, EagleHeadDrafter, ModelDrafter, ViSpecDrafter
+from mmspec.drafters.eagle_head import head_class
+from mmspec.tree import chain_parents
+from mmspec.types import Draft, TreeConfig
+
+KINDS = ("text", "eagle", "vispec")
+
+
+class DrafterComponent(ModelMixin, ConfigMixin):
+    config_name = "config.json"
+
+    @register_to_config
+    def __init__(self, kind: str = "eagle", head_config: dict | None = None, lm_config: dict | None = None,
+                 num_draft_tokens: int = 4, tree_depth: int = 0, tree_top_k: int = 0, tree_num_nodes: int = 0):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+        if kind == "text":
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            if not lm_config:
+                raise ValueError("a text drafter needs lm_config (the causal LM's config as a dict)")
+            cfg = dict(lm_config)
+            self.lm = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+        else:
+            if not head_config:
+                raise ValueError(f"a {kind} drafter needs head_config (EagleHeadConfig fields)")
+            self.head = head_class(kind)(EagleHeadConfig(**{**head_config, "kind": kind}))
+
+    @classmethod
+    def from_head(cls, head, num_draft_tokens: int = 4, tree: TreeConfig | None = None) -> "DrafterComponent":
+        from dataclasses import asdict
+
+        comp = cls(kind=head.config.kind, head_config=asdict(head.config), num_draft_tokens=num_draft_tokens,
+                   **_tree_fields(tree))
+        comp.head.load_state_dict(head.state_dict())
+        return torch.nn.Module.to(comp, next(head.parameters()).dtype)
+
+    @classmethod
+    def from_lm(cls, lm, num_draft_tokens: int = 4, tree: TreeConfig | None = None) -> "DrafterComponent":
+        cfg = lm.config.to_dict()
+        keep = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("architectures", "dtype",
+                                                                                   "torch_dtype", "transformers_version")}
+        keep["tie_word_embeddings"] = False  # saved as two tensors (safetensors refuses shared ones)
+        comp = cls(kind="text", lm_config=keep, num_draft_tokens=num_draft_tokens, **_tree_fields(tree))
+        comp.lm.load_state_dict(lm.state_dict())
+        return torch.nn.Module.to(comp, next(lm.parameters()).dtype)
+
+    @property
+    def tree(self) -> TreeConfig | None:
+        c = self.config
+        return TreeConfig(c.tree_depth, c.tree_top_k, c.tree_num_nodes) if c.tree_depth else None
+
+    def build(self, target):
+        """The runtime drafter for `target` (an `HFTarget`); ValueError if built for another target."""
+        K, tree = self.config.num_draft_tokens, self.tree
+        if self.config.kind == "text":
+            if self.lm.config.get_text_config().vocab_size != target.vocab_size:
+                raise ValueError(f"text drafter vocabulary {self.lm.config.get_text_config().vocab_size} differs from "
+                                 f"the target's {target.vocab_size}; it was trained for another target")
+            return ModelDrafter(self.lm.eval(), K, tree=tree)
+        cls = ViSpecDrafter if self.config.kind == "vispec" else EagleHeadDrafter
+        return cls(target, self.head.eval(), K, tree=tree)
+
+
+def _tree_fields(tree: TreeConfig | None) -> dict:
+    if tree is None:
+        return {}
+    return {"tree_depth": tree.depth, "tree_top_k": tree.top_k, "tree_num_nodes": tree.num_nodes}
+
+
+class PlainDecoding:
+    """A drafter that drafts nothing: every step verifies the root alone (plain decoding)."""
+
+    max_draft_nodes = 0
+    draft_calls = 0
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def prefill(self, input_ids, attention_mask, target_out, model_inputs, max_new_tokens) -> None:
+        pass
+
+    def propose(self, roots: torch.Tensor, sampling, generator) -> Draft:
+        B = roots.shape[0]
+        return Draft(tokens=roots.new_zeros(B, 0), parents=chain_parents(B, 0, roots.device))
+
+    def commit(self, info, target_out) -> None:
+        pass
+
+    def select_rows(self, rows, rows_host) -> None:
+        pass

@@ -1,0 +1,67 @@
+"""`mmspec caption`, `mmspec vqa` and `mmspec train-drafter` on a tiny saved LLaVA pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmspec.cli import main
+from mmspec.drafters import EagleHead, EagleHeadConfig
+from mmspec.pipelines import DrafterComponent, SpeculativeVLMPipeline
+
+from _vlm_helpers import random_images, tiny_llava_parts
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    model, processor = tiny_llava_parts(dtype=torch.float32)
+    pipe = SpeculativeVLMPipeline(model, processor)
+    torch.manual_seed(0)
+    pipe.add_drafter("eagle", DrafterComponent.from_head(EagleHead(EagleHeadConfig.for_target(model)), 3))
+    pipe.save_pretrained(d / "pipe")
+    for i, im in enumerate(random_images(2, seed=2)):
+        im.save(d / f"{i}.png")
+    return d
+
+
+def test_caption_compare_json_reports_each_item(saved, capsys):
+    code = main(["caption", str(saved / "0.png"), str(saved / "missing.png"), str(saved / "1.png"), "--model",
+                 str(saved / "pipe"), "--compare", "--json", "--max-new-tokens", "6", "--batch-size", "2"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1  # one item failed
+    items = report["items"]
+    assert items[0]["answer"] and items[2]["answer"] and items[1]["answer"] is None
+    assert "missing.png" in items[1]["error"]
+    assert report["identical_to_plain"] is True and report["speedup"] > 0 and report["mean_accepted_length"] >= 1
+
+
+def test_vqa_and_text_output(saved, capsys):
+    code = main(["vqa", str(saved / "0.png"), "--question", "what colour is the circle ?", "--model",
+                 str(saved / "pipe"), "--max-new-tokens", "5", "--compare"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "[what colour is the circle ?]:" in out and "mean accepted length" in out and "identical" in out
+
+
+def test_model_is_required_until_a_testbed_vlm_is_bundled(saved, monkeypatch):
+    import mmspec.pipelines.vlm_cli as cli
+
+    monkeypatch.setattr(cli, "BUNDLED_VLM", saved / "nothing-here")
+    with pytest.raises(SystemExit, match="pass --model DIR"):
+        main(["caption", str(saved / "0.png")])
+    with pytest.raises(SystemExit, match="no drafter 'nope'"):
+        main(["caption", str(saved / "0.png"), "--model", str(saved / "pipe"), "--drafter", "nope"])
+
+
+def test_train_drafter_command(saved, tmp_path, capsys):
+    code = main(["train-drafter", "--pipeline", str(saved / "pipe"), "--drafter", "vispec", "--out", str(tmp_path / "v"),
+                 "--data", str(saved), "--steps", "2", "--batch-size", "2", "--answer-tokens", "4", "--no-progress"])
+    assert code == 0 and "trained vispec drafter: loss" in capsys.readouterr().out
+    code = main(["caption", str(saved / "0.png"), "--model", str(saved / "pipe"), "--drafter", str(tmp_path / "v"),
+                 "--compare", "--json", "--max-new-tokens", "5"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["identical_to_plain"] is True
+    with pytest.raises(SystemExit, match="--drafter must be one of"):
+        main(["train-drafter", "--pipeline", "x", "--drafter", "medusa", "--out", str(tmp_path / "m")])

@@ -1,0 +1,231 @@
+"""EAGLE-2 head and ViSpec drafters (untrained heads, float64): greedy speculative output equals
+plain greedy decoding row by row (batch of 4, different prompt lengths and images, chains and
+trees, rows leaving at EOS) on LLaVA and Qwen2-VL targets and a text LM; the features the
+drafter computes through its ragged cache equal a cache-free forward of the head over the
+committed pairs; heads round-trip through save/load; heads built for another target are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.drafters import EagleHead, EagleHeadConfig, EagleHeadDrafter, ViSpecDrafter, ViSpecHead
+
+from _vlm_helpers import assert_rows_equal
+from test_vlm_llava import IMG, llava, llava_batch, row_by_row  # noqa: F401 (fixture)
+from test_vlm_qwen2vl import qwen  # noqa: F401 (fixture: saved and re-loaded, float64)
+
+TREE = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)
+KINDS = {"eagle": (EagleHead, EagleHeadDrafter), "vispec": (ViSpecHead, ViSpecDrafter)}
+
+
+def make(model, kind, tree, K=3, seed=0):
+    head_cls, drafter_cls = KINDS[kind]
+    torch.manual_seed(seed)
+    head = head_cls(EagleHeadConfig.for_target(model, kind=kind)).double()
+    if kind == "vispec":  # a non-trivial global fusion (the identity init would hide the adaptor)
+        with torch.no_grad():
+            head.img_fc.weight[:, 32:].normal_(0, 0.3)
+    return drafter_cls(model, head, K, tree=tree)
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_llava_greedy_equals_generate(llava, kind, tree):
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5), (6, 3)], seed=7)
+    plain = row_by_row(model, ids, mask, 12, None, pixel_values=pixels)
+    eos = int(plain[0][5])
+    refs = row_by_row(model, ids, mask, 12, eos, pixel_values=pixels)
+    out = mmspec.speculative_generate(model, make(model, kind, tree), ids, mask, temperature=0, max_new_tokens=12,
+                                      pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
+    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    assert out.stats.new_tokens == [len(r) for r in refs]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_rows_ending_with_their_first_token(llava, kind):
+    """A row whose prefill token is EOS leaves before the drafter ever ran its prompt."""
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5)], seed=7)
+    plain = row_by_row(model, ids, mask, 8, None, pixel_values=pixels)
+    eos = int(plain[1][0])
+    refs = row_by_row(model, ids, mask, 8, eos, pixel_values=pixels)
+    out = mmspec.speculative_generate(model, make(model, kind, TREE), ids, mask, temperature=0, max_new_tokens=8,
+                                      pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
+    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    assert out.stats.new_tokens[1] == 1
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_eagle_head_on_a_text_lm(target, tree):
+    from conftest import left_padded
+
+    ids, mask = left_padded([7, 3, 5, 6])
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0,
+                          eos_token_id=None)
+    drafter = make(target, "eagle", tree)
+    assert drafter.features == mmspec.FeatureRequest(last_hidden=True)  # no image features for a text LM
+    out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
+    assert torch.equal(out.sequences, ref)
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_qwen2vl_greedy_equals_generate(qwen, kind, tree):
+    from test_vlm_qwen2vl import GRIDS, batch, reference
+
+    ids, mask, pixels, grid = batch(GRIDS, [1, 4, 2, 6], [3, 2, 5, 1], seed=9)
+    refs = reference(qwen, ids, mask, pixels, grid, 10, eos=None)
+    out = mmspec.speculative_generate(qwen, make(qwen, kind, tree), ids, mask, temperature=0, max_new_tokens=10,
+                                      pixel_values=pixels, image_grid_thw=grid)
+    assert_rows_equal(out.sequences, ids.shape[1], refs)
+
+
+class Recorded:
+    """Wraps a drafter's root-feature computations: (original row ids, root index, features)."""
+
+    def __init__(self, drafter, L):
+        self.d, self.L, self.log = drafter, L, []
+        prefill, catch_up, select, commit = drafter._prefill_head, drafter._catch_up, drafter.select_rows, drafter.commit
+
+        def rec(fn):
+            def run(roots):
+                feats = fn(roots)
+                self.log.append((list(self.rows), [self.L + w - 1 for w in self.written], feats.clone()))
+                return feats
+            return run
+
+        def sel(rows, rows_host):
+            self.rows = [self.rows[r] for r in rows_host]
+            self.written = [self.written[r] for r in rows_host]
+            select(rows, rows_host)
+
+        def com(info, out):
+            self.written = [w + n + 1 for w, n in zip(self.written, info.num_accepted_list)]
+            commit(info, out)
+
+        drafter._prefill_head, drafter._catch_up, drafter.select_rows, drafter.commit = rec(prefill), rec(catch_up), sel, com
+
+    def start(self, B):
+        self.rows, self.written = list(range(B)), [1] * B
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+@torch.no_grad()
+def test_cached_features_equal_a_cache_free_forward(llava, kind):
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5)], seed=3)
+    drafter = make(model, kind, None, K=3)
+    rec = Recorded(drafter, ids.shape[1])
+    rec.start(ids.shape[0])
+    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=9, pixel_values=pixels)
+    seq = out.sequences
+    full_mask = torch.cat([mask, torch.ones(seq.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    hidden = model(input_ids=seq, attention_mask=full_mask, pixel_values=pixels, output_hidden_states=True).hidden_states[-1]
+    feats = model.model.get_image_features(pixels, vision_feature_layer=-1, vision_feature_select_strategy="default")
+    embeds = drafter.prompt_embeds(seq, torch.cat(list(feats.pooler_output)))
+    f, _, _, src = drafter.head.forward_full(seq[:, 1:], embeds[:, 1:], hidden[:, :-1], full_mask[:, :-1])
+    checked = 0
+    for rows, roots, got in rec.log:
+        for j, (b, r) in enumerate(zip(rows, roots)):
+            if r > seq.shape[1] - 1:
+                continue
+            where = (src[b] == r - 1).nonzero().flatten()
+            torch.testing.assert_close(got[j], f[b, where[-1]])
+            checked += 1
+    assert checked >= 3 * len(rec.log) - 3 and len(rec.log) > 2
+
+
+def test_heads_round_trip_and_are_refused_for_another_target(llava, tmp_path, target):
+    model, _ = llava
+    head = ViSpecHead(EagleHeadConfig.for_target(model, kind="vispec")).double()
+    head.save_pretrained(tmp_path / "h")
+    again = EagleHead.from_pretrained(tmp_path / "h", dtype=torch.float64)
+    assert isinstance(again, ViSpecHead)
+    for (k, v), (k2, v2) in zip(head.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(v, v2)
+    with pytest.raises(ValueError, match="vocabulary|hidden size|image token"):
+        ViSpecDrafter(target, again)  # the text LM: other vocabulary, no image token
+    bad = EagleHead(EagleHeadConfig.for_target(model, hidden_size=64, intermediate_size=64))
+    with pytest.raises(ValueError, match="hidden size 64"):
+        EagleHeadDrafter(model, bad)
+    other = EagleHead(EagleHeadConfig.for_target(model, image_token_id=61))
+    with pytest.raises(ValueError, match="image token 61"):
+        EagleHeadDrafter(model, other)
+    with pytest.raises(ValueError, match="image token id"):
+        ViSpecHead(EagleHeadConfig.for_target(model, image_token_id=None))
+
+
+@pytest.mark.parametrize("tree", [None, mmspec.TreeConfig(depth=2, top_k=2, num_nodes=4)], ids=["chain", "tree"])
+def test_eagle_exact_sampling_matches_enumerated_joint(tree):
+    """Sampled chain drafts (q returned) and deterministic trees: new tokens 2 and 3 are
+    distributed like the target's (chi-square), and the drafter's own joint is rejected."""
+    from test_core_sampling import SAMPLES, V, chi_square_p, joint_23
+
+    from conftest import tiny_llama
+
+    model = tiny_llama(layers=2, seed=3, vocab=V, hidden=16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    torch.manual_seed(5)
+    head = EagleHead(EagleHeadConfig.for_target(model)).double()
+    with torch.no_grad():
+        head.fc.weight.mul_(3.0)
+    prompt = torch.tensor([[1, 5, 3, 6]])
+    expected = joint_23(model, prompt, mmspec.SamplingConfig(1.0))
+    hotter = joint_23(model, prompt, mmspec.SamplingConfig(1.6))
+    out = mmspec.speculative_generate(model, EagleHeadDrafter(model, head, 3, tree=tree), prompt.expand(SAMPLES, -1),
+                                      acceptance="exact", temperature=1.0, max_new_tokens=3,
+                                      generator=torch.Generator().manual_seed(21))
+    new = out.sequences[:, 4:]
+    counts = torch.zeros(V, V)
+    counts.index_put_((new[:, 1], new[:, 2]), torch.ones(SAMPLES), accumulate=True)
+    assert 0.2 < out.stats.verified_accepted / out.stats.row_steps < 2.5  # rejections exercised
+    assert chi_square_p(counts, expected, SAMPLES) > 1e-4
+    assert chi_square_p(counts, hotter, SAMPLES) < 1e-4  # power
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_llava_exact_sampling_with_feature_drafters(llava, kind):
+    """Exact sampling on a VLM with a feature drafter (sampled chain drafts, q returned): the
+    first three new tokens are distributed like plain sampling (chi-square against the joint
+    enumerated with cache-free forwards, top-k 4), and a hotter joint is rejected (power)."""
+    import copy
+
+    from test_core_sampling import chi_square_p
+
+    model = copy.deepcopy(llava[0])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    ids = torch.tensor([[5, IMG, IMG, IMG, IMG, 7, 9]])
+    pixels = torch.randn(1, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+
+    @torch.no_grad()
+    def joint(temperature):
+        out = {(): 1.0}
+        for _ in range(3):
+            nxt = {}
+            for prefix, p in out.items():
+                seq = torch.cat([ids, torch.tensor([list(prefix)], dtype=torch.long)], 1)
+                probs = mmspec.process_logits(model(input_ids=seq, pixel_values=pixels).logits[:, -1],
+                                              mmspec.SamplingConfig(temperature, 4))[0]
+                for t in probs.nonzero().flatten().tolist():
+                    nxt[prefix + (t,)] = p * float(probs[t])
+            out = nxt
+        return out
+
+    expected, hotter = joint(1.0), joint(2.0)
+    n = 3000
+    out = mmspec.speculative_generate(model, make(model, kind, None, K=2), ids.expand(n, -1), acceptance="exact",
+                                      temperature=1.0, top_k=4, max_new_tokens=3, pixel_values=pixels.expand(n, -1, -1, -1),
+                                      generator=torch.Generator().manual_seed(13))
+    keys = sorted(expected)
+    index = {k: i for i, k in enumerate(keys)}
+    counts = torch.zeros(len(keys))
+    for row in out.sequences[:, ids.shape[1]:].tolist():
+        counts[index[tuple(row)]] += 1
+    assert chi_square_p(counts, torch.tensor([expected[k] for k in keys], dtype=torch.float64), n) > 1e-4
+    assert chi_square_p(counts, torch.tensor([hotter[k] for k in keys], dtype=torch.float64), n) < 1e-4
+    assert out.stats.row_steps > n  # several verify steps per row: rejections exercised

@@ -1,0 +1,173 @@
+"""`SpeculativeVLMPipeline` on a tiny LLaVA with a real processor and tokenizer built locally:
+speculative answers (text, EAGLE and ViSpec drafters, chains and trees) equal plain decoding and
+the model's own `generate`; save / load round trips (a saved pipeline, a transformers checkpoint
+folder + drafter); drafters switch by name; bad input raises ValueError naming it; a missing or
+corrupt image file is reported in its item while the rest of the batch is answered."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.drafters import EagleHead, EagleHeadConfig, ViSpecHead
+from mmspec.pipelines import DrafterComponent, SpeculativeVLMPipeline
+
+from _vlm_helpers import random_images, tiny_llava_parts
+
+PROMPTS = ["what colour is the circle ?", None, "describe the image", "what shape is left ?"]
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return tiny_llava_parts()
+
+
+def drafters(model):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    lm = LlamaForCausalLM(model.config.text_config).double().eval()
+    lm.model.load_state_dict(model.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(model.lm_head.state_dict())
+    tree = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)
+    return {
+        "text": DrafterComponent.from_lm(lm, 3),
+        "eagle": DrafterComponent.from_head(EagleHead(EagleHeadConfig.for_target(model)).double(), 3, tree),
+        "vispec": DrafterComponent.from_head(ViSpecHead(EagleHeadConfig.for_target(model, kind="vispec")).double(), 2),
+    }
+
+
+@torch.no_grad()
+def generate_reference(model, processor, images, prompts, pipe, n):
+    """The model's own greedy `generate`, item by item, on the processor's outputs."""
+    out = []
+    for img, p in zip(images, prompts):
+        enc = processor(images=[img], text=[pipe._prompt(p, 1)], return_tensors="pt")
+        seq = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                             pixel_values=enc["pixel_values"].to(model.dtype), do_sample=False, max_new_tokens=n,
+                             eos_token_id=2, pad_token_id=0)
+        out.append(seq[0, enc["input_ids"].shape[1]:])
+    return out
+
+
+def test_pipeline_answers_equal_generate_for_every_drafter_and_round_trip(parts, tmp_path):
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor)
+    for name, comp in drafters(model).items():
+        pipe.add_drafter(name, comp)
+    images = random_images(4, seed=3)
+    refs = generate_reference(model, processor, images, PROMPTS, pipe, 10)
+    plain = pipe(images, PROMPTS, max_new_tokens=10, speculative=False)
+    assert plain.stats.accepted_drafts == 0 and plain.stats.draft_calls == 0
+    for name in ("text", "eagle", "vispec"):
+        pipe.load_drafter(name)
+        for bs in (None, 3):
+            out = pipe(images, PROMPTS, max_new_tokens=10, batch_size=bs)
+            assert all(torch.equal(a, r) for a, r in zip(out.sequences, refs)), (name, bs)
+            assert out.texts == plain.texts and out.errors == [None] * 4
+    assert plain.texts[1] == pipe(images[1], max_new_tokens=10).texts[0]  # prompts=None captions
+    pipe.save_pretrained(tmp_path / "pipe")
+    again = SpeculativeVLMPipeline.from_pretrained(tmp_path / "pipe", dtype=torch.float64)
+    assert sorted(again.drafters) == ["eagle", "text", "vispec"]
+    assert again.drafter is again.drafters["vispec"]  # the active drafter is the default
+    assert again(images, PROMPTS, max_new_tokens=10).texts == plain.texts
+    again.load_drafter("text")
+    assert again(images, PROMPTS, max_new_tokens=10).texts == plain.texts
+    # A transformers checkpoint folder (model + processor) with a saved drafter folder.
+    model.save_pretrained(tmp_path / "ckpt")
+    processor.save_pretrained(tmp_path / "ckpt")
+    third = SpeculativeVLMPipeline.from_pretrained(tmp_path / "ckpt", drafter=tmp_path / "pipe" / "drafters" / "eagle",
+                                                   dtype=torch.float64)
+    assert third(images, PROMPTS, max_new_tokens=10).texts == plain.texts
+
+
+def test_sampling_runs_and_is_reproducible(parts):
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["eagle"])
+    images = random_images(2, seed=4)
+    a = pipe(images, max_new_tokens=8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    b = pipe(images, max_new_tokens=8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert a.texts == b.texts and all(t is not None for t in a.texts)
+
+
+def test_bad_input_is_refused_by_name(parts, tmp_path):
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["eagle"])
+    img = random_images(2, seed=5)
+    with pytest.raises(ValueError, match="placeholder.*but no image"):
+        pipe([None], ["<image> describe the image"])
+    with pytest.raises(ValueError, match=r"more images \(2\) than image placeholders \(1\)"):
+        pipe([img], ["<image> describe the image"])
+    with pytest.raises(ValueError, match="2 prompts for 1 images"):
+        pipe(img[:1], ["a", "b"])
+    wide = EagleHead(EagleHeadConfig.for_target(model, hidden_size=64, intermediate_size=64))
+    with pytest.raises(ValueError, match="hidden size 64"):
+        pipe.add_drafter("wide", DrafterComponent.from_head(wide.double()))
+    other_vocab = EagleHead(EagleHeadConfig.for_target(model, vocab_size=99))
+    with pytest.raises(ValueError, match="vocabulary 99"):
+        pipe.add_drafter("v", DrafterComponent.from_head(other_vocab.double()))
+    other_image = ViSpecHead(EagleHeadConfig.for_target(model, kind="vispec", image_token_id=7))
+    with pytest.raises(ValueError, match="image token 7"):
+        pipe.add_drafter("i", DrafterComponent.from_head(other_image.double()))
+    from conftest import tiny_llama
+
+    with pytest.raises(ValueError, match="supports model types.*'llama'"):
+        SpeculativeVLMPipeline(tiny_llama(), processor)
+    with pytest.raises(ValueError, match="no drafter 'nope'"):
+        pipe.load_drafter("nope")
+
+
+def test_missing_and_corrupt_files_are_reported_per_item(parts, tmp_path):
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["text"])
+    good = random_images(2, seed=6)
+    good[0].save(tmp_path / "good.png")
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG not really")
+    items = [tmp_path / "good.png", tmp_path / "missing.png", tmp_path / "corrupt.png", good[1]]
+    out = pipe(items, max_new_tokens=6)
+    assert out.texts[0] is not None and out.texts[3] is not None
+    assert out.texts[1] is None and "missing.png" in out.errors[1] and "not found" in out.errors[1]
+    assert out.texts[2] is None and "corrupt.png" in out.errors[2]
+    assert out.errors[0] is None and out.errors[3] is None
+    alone = pipe([tmp_path / "good.png", good[1]], max_new_tokens=6)
+    assert alone.texts == [out.texts[0], out.texts[3]]
+
+
+def test_a_tied_text_drafter_saves_and_loads(tmp_path):
+    from conftest import tiny_llama
+
+    lm = tiny_llama(vocab=26)
+    lm.config.tie_word_embeddings = True
+    lm.tie_weights()
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
+    comp = DrafterComponent.from_lm(lm, 3)
+    comp.save_pretrained(tmp_path / "d")
+    again = DrafterComponent.from_pretrained(str(tmp_path / "d"), low_cpu_mem_usage=False, torch_dtype=torch.float64)
+    for (k, a), (k2, b) in zip(comp.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    torch.testing.assert_close(again.lm.lm_head.weight, lm.lm_head.weight)
+
+
+def test_processor_outputs_go_straight_into_speculative_generate(parts):
+    """`speculative_generate(model, drafter, **processor_outputs)` picks the adapter by itself."""
+    from mmspec.drafters import EagleHeadDrafter
+
+    model, processor = parts
+    processor.tokenizer.padding_side = "left"
+    images = random_images(3, seed=8)
+    prompts = ["user : <image> describe the image assistant :", "user : <image> what colour ? assistant :",
+               "user : <image> what shape is left of the red circle ? assistant :"]
+    enc = processor(images=images, text=prompts, return_tensors="pt", padding=True)
+    enc["pixel_values"] = enc["pixel_values"].double()
+    assert bool((enc["attention_mask"] == 0).any())  # different prompt lengths, left-padded
+    torch.manual_seed(2)
+    drafter = EagleHeadDrafter(model, EagleHead(EagleHeadConfig.for_target(model)).double(), 3)
+    out = mmspec.speculative_generate(model, drafter, **enc, temperature=0, max_new_tokens=8, eos_token_id=2)
+    L = enc["input_ids"].shape[1]
+    for b in range(3):
+        one = processor(images=images[b:b + 1], text=prompts[b:b + 1], return_tensors="pt")
+        ref = model.generate(input_ids=one["input_ids"], attention_mask=one["attention_mask"],
+                             pixel_values=one["pixel_values"].double(), do_sample=False, max_new_tokens=8,
+                             eos_token_id=2, pad_token_id=0)[0, one["input_ids"].shape[1]:]
+        assert torch.equal(out.sequences[b, L:L + len(ref)], ref)
