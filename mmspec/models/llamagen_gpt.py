@@ -397,7 +397,8 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         p = self.args.class_dropout_prob
         if p == 0:
             return labels
-        drop = torch.rand(labels.shape[0], generator=generator, device=labels.device) < p
+        where = generator.device if generator is not None else labels.device
+        drop = (torch.rand(labels.shape[0], generator=generator, device=where) < p).to(labels.device)
         return torch.where(drop, torch.full_like(labels, self.args.num_classes), labels)
 
     def forward(self, idx: torch.Tensor, cond_idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
