@@ -11,6 +11,8 @@ _LAZY = {
     "RaggedCache": "mmspec.models.hf_cache",
     "LlamaGenVQ": "mmspec.models.llamagen_tokenizer", "VQConfig": "mmspec.models.llamagen_tokenizer",
     "MARModel": "mmspec.models.mar", "load_kl16": "mmspec.models.kl16",
+    "LlamaGenGPT": "mmspec.models.llamagen_gpt", "LlamaGenGPTConfig": "mmspec.models.llamagen_gpt",
+    "generate_plain": "mmspec.models.llamagen_sample",
 }
 
 
