@@ -10,6 +10,8 @@ _LAZY = {
     "HFSpec": "mmspec.models.hf_spec",
     "RaggedCache": "mmspec.models.hf_cache",
     "LlamaGenVQ": "mmspec.models.llamagen_tokenizer", "VQConfig": "mmspec.models.llamagen_tokenizer",
+    "LlamaGenGPT": "mmspec.models.llamagen_gpt", "LlamaGenGPTConfig": "mmspec.models.llamagen_gpt",
+    "generate_plain": "mmspec.models.llamagen_sample",
 }
 
 

@@ -5,6 +5,7 @@
     mmspec testbed train-judge --out assets/testbed/judge    the judge (class accuracy, Frechet)
     mmspec testbed eval-judge --model assets/testbed/judge   accuracy / Frechet on held-out scenes
     mmspec testbed train-vq / eval-vq                        the LlamaGen-architecture VQ
+    mmspec testbed train-imagegen --out DIR                  8x8-token VQ + c2i GPT + drafter
     mmspec testbed contact-sheet --out sheet.png             scenes next to their VQ reconstructions
     mmspec testbed caption-stats                             how multimodal the captions are
 
@@ -172,6 +173,9 @@ def add_subparsers(subparsers) -> None:
     p.add_argument("--vq", default="assets/testbed/vq")
     p.add_argument("--n", type=int, default=16)
     p.set_defaults(func=cmd_contact_sheet)
+    from mmspec.testbed.imagegen_train import add_imagegen_command
+
+    add_imagegen_command(sub)
     try:
         from mmspec.testbed.vq_train import add_vq_commands
     except ImportError:
