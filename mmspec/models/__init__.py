@@ -12,6 +12,8 @@ _LAZY = {
     "LlamaGenVQ": "mmspec.models.llamagen_tokenizer", "VQConfig": "mmspec.models.llamagen_tokenizer",
     "LlamaGenGPT": "mmspec.models.llamagen_gpt", "LlamaGenGPTConfig": "mmspec.models.llamagen_gpt",
     "generate_plain": "mmspec.models.llamagen_sample",
+    "LlamaGenSpec": "mmspec.models.llamagen_spec", "LlamaGenTarget": "mmspec.models.llamagen_spec",
+    "llamagen_target": "mmspec.models.llamagen_spec",
 }
 
 
