@@ -5,6 +5,9 @@ Every drafter implements `mmspec.Drafter`: `prefill`, `propose`, `commit`, `sele
 
 from __future__ import annotations
 
+from .guided_drafter import GuidedModelDrafter
+from .jacobi import JacobiDrafter
 from .model_drafter import ModelDrafter
+from .null_drafter import NullDrafter
 
-__all__ = ["ModelDrafter"]
+__all__ = ["GuidedModelDrafter", "JacobiDrafter", "ModelDrafter", "NullDrafter"]
