@@ -245,12 +245,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     @classmethod
     def _from_testbed_layout(cls, path: Path, **kwargs):
         """target/ (LlamaGenGPT), vq/ (LlamaGenVQ or LlamaGenVQModel), optional drafter/ (LlamaGenGPT)."""
-        dtype = kwargs.get("torch_dtype")
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
         if not (path / "target").is_dir() or not (path / "vq").is_dir():
             raise ValueError(f"{path}: neither a saved pipeline (model_index.json) nor the testbed layout "
                              "(target/ and vq/ folders)")
         _check_component_class(path / "target", "target")
-        load = {} if dtype is None else {"torch_dtype": dtype}
+        load = {} if dtype is None else {"dtype": dtype}
         target = LlamaGenGPT.from_pretrained(str(path / "target"), **load).eval()
         vq = LlamaGenVQModel.from_pretrained(str(path / "vq"), **load).eval()
         drafter = None

@@ -62,7 +62,7 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
             config = json.loads((folder / CONFIG_NAME).read_text())
             if "_class_name" not in config:  # a LlamaGenVQ folder (config.json in VQConfig fields)
                 model = cls.from_vq(LlamaGenVQ.from_pretrained(folder))
-                dtype = kwargs.get("torch_dtype")
+                dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
                 return (model.to(dtype) if dtype is not None else model).eval()
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
