@@ -54,3 +54,14 @@ def test_bench_imagegen_smoke(folder, tmp_path, capsys):
     assert rows["plain"]["forwards_per_image"] == 16.0 and rows["plain"]["speedup_vs_plain"] == 1.0
     assert report["batches"][0]["verify_cost"]["ratio_to_one_token"]["1"] == 1.0
     assert "speed-up" in capsys.readouterr().out
+
+
+def test_demo_image_section(folder, tmp_path):
+    from mmspec.bench.imagegen import DEMO_METHODS, demo
+
+    text = demo(str(folder), str(tmp_path / "demo"), threads=1)
+    grid = Image.open(tmp_path / "demo" / "imagegen_methods.png")
+    assert grid.size == (170 + 8 * 16, len(DEMO_METHODS) * 16)
+    report = json.loads((tmp_path / "demo" / "imagegen_demo.json").read_text())
+    assert [b["batch_size"] for b in report["batches"]] == [1, 8]
+    assert all(m in text for m in DEMO_METHODS)

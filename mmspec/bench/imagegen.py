@@ -186,12 +186,10 @@ def _drafter_model(pipe):
 
 
 def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
-    from mmspec.models.llamagen_gpt import LlamaGenGPT
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     pipe = load_pipeline(cfg.model)
-    gpt_drafter = pipe.drafter if isinstance(pipe.drafter, LlamaGenGPT) else None
+    gpt_drafter = _drafter_model_of(pipe)
     _DRAFTER_MODEL[id(pipe)] = gpt_drafter
     scale = cfg.guidance_scale if cfg.guidance_scale is not None else default_guidance(cfg.model)
     methods = list(cfg.methods) or [m for m in METHODS if gpt_drafter is not None or METHODS[m][0] != "model"]
@@ -261,3 +259,48 @@ def format_table(report: dict) -> str:
 def save(report: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+DEMO_METHODS = ("plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal")
+
+
+def demo(model: str, out_dir: str, progress=lambda m: None, threads: int = 2) -> str:
+    """The image section of `mmspec demo`: one timed round of plain vs speculative decoding (exact
+    with each drafter, LANTERN, GSD) at batch 1 and 8 on the same labels and seeds, and a grid PNG
+    (one row per method, same seed) in `out_dir`. Returns the table text."""
+    from PIL import Image, ImageDraw
+
+    has_model = _drafter_model_of(load_pipeline(model)) is not None
+    methods = tuple(m for m in DEMO_METHODS if has_model or METHODS[m][0] != "model")
+    cfg = ImageBenchConfig(model=model, images=8, repeats=1, methods=methods, threads=threads)
+    report = run(cfg, progress)
+    pipe = load_pipeline(model)
+    gpt_drafter = _drafter_model_of(pipe)
+    scale = report["config"]["guidance_scale"]
+    labels = [i % pipe.num_classes for i in range(8)]
+    rows = []
+    for m in methods:
+        kind, coupling, acceptance = METHODS[m]
+        _set_drafter(pipe, gpt_drafter, kind, coupling, cfg.per_batch("draft_tokens", 1), cfg.per_batch("window", 1))
+        out = pipe(labels, guidance_scale=scale, acceptance=acceptance, speculative=kind != "plain",
+                   generator=torch.Generator().manual_seed(cfg.seed))
+        rows.append((m, out.images))
+    w, h = rows[0][1][0].size
+    s, pad = 2, 170
+    sheet = Image.new("RGB", (pad + len(labels) * w * s, len(rows) * h * s), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for r, (m, images) in enumerate(rows):
+        draw.text((4, r * h * s + h * s // 2 - 6), m, fill=(0, 0, 0))
+        for c, img in enumerate(images):
+            sheet.paste(img.resize((w * s, h * s), Image.NEAREST), (pad + c * w * s, r * h * s))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    grid = Path(out_dir) / "imagegen_methods.png"
+    sheet.save(grid)
+    save(report, str(Path(out_dir) / "imagegen_demo.json"))
+    return format_table(report) + f"\n\nsame seed, one row per method: {grid}"
+
+
+def _drafter_model_of(pipe):
+    from mmspec.models.llamagen_gpt import LlamaGenGPT
+
+    return pipe.drafter if isinstance(pipe.drafter, LlamaGenGPT) else None
