@@ -5,7 +5,8 @@ bundled testbed generator).
 For each batch size it runs every method on the same class labels and seeds, in interleaved
 rounds (plain, exact with the small-model drafter, exact with coupled / Gumbel-coupled /
 uncoupled Jacobi drafts, LANTERN and GSD with each drafter), and reports target forwards
-per image (prefill included), mean accepted length, images per second and the wall-clock
+per image (prefill included; `calls`: target forwards of the batched calls, which wait for their
+slowest row), mean accepted length, images per second and the wall-clock
 speed-up over plain decoding through the same target code (median over rounds). It also
 times the target's verify forward over Q tokens against its one-token forward at the same
 context (`verify_cost`), which is what bounds any speed-up: a method pays
@@ -110,7 +111,7 @@ def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int) -> None
 def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConfig, scale: float, seed: int) -> dict:
     kind, _, acceptance = METHODS[method]
     gen = torch.Generator().manual_seed(seed)
-    forwards, emitted, row_steps, tokens = 0.0, 0, 0, []
+    forwards, emitted, row_steps, calls, tokens = 0.0, 0, 0, 0, []
     t0 = time.perf_counter()
     for i in range(0, len(labels), B):
         out = pipe(labels[i:i + B], guidance_scale=scale, temperature=cfg.temperature, top_k=cfg.top_k,
@@ -119,9 +120,10 @@ def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConf
         forwards += s.target_forwards_per_image * s.images
         emitted += s.emitted_tokens
         row_steps += s.row_steps
+        calls += s.target_calls + s.prefill_calls
         tokens.append(out.tokens)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "forwards_per_image": forwards / len(labels),
+    return {"wall_s": wall, "forwards_per_image": forwards / len(labels), "batch_forwards": calls,
             "mean_accepted_length": emitted / row_steps if row_steps else 1.0, "tokens": torch.cat(tokens)}
 
 
@@ -222,6 +224,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
                 "wall_s": round(wall, 4), "images_per_s": round(cfg.images / wall, 3),
                 "speedup_vs_plain": round(plain_wall / wall, 3),
                 "forwards_per_image": round(statistics.mean(x["forwards_per_image"] for x in runs[m]), 3),
+                "batch_forwards": statistics.mean(x["batch_forwards"] for x in runs[m]),
                 "mean_accepted_length": round(statistics.mean(x["mean_accepted_length"] for x in runs[m]), 3),
                 "lossless": METHODS[m][2] == "exact",
             }
@@ -245,9 +248,9 @@ def format_table(report: dict) -> str:
         ratio = e["verify_cost"]["ratio_to_one_token"]
         lines.append(f"\nbatch {e['batch_size']} (model drafter K={e['draft_tokens']}, Jacobi window {e['window']}); "
                      "verify cost / one-token forward: " + ", ".join(f"Q={q}: {r}x" for q, r in ratio.items()))
-        lines.append(f"{'method':<26}{'fwd/image':>10}{'acc.len':>9}{'img/s':>9}{'speed-up':>10}  lossless")
+        lines.append(f"{'method':<26}{'fwd/image':>10}{'calls':>7}{'acc.len':>9}{'img/s':>9}{'speed-up':>10}  lossless")
         for name, r in e["methods"].items():
-            lines.append(f"{name:<26}{r['forwards_per_image']:>10.2f}{r['mean_accepted_length']:>9.2f}"
+            lines.append(f"{name:<26}{r['forwards_per_image']:>10.2f}{r['batch_forwards']:>7.0f}{r['mean_accepted_length']:>9.2f}"
                          f"{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x  {'yes' if r['lossless'] else 'no'}")
     if "judge" in report:
         lines.append("\njudge (class accuracy, Frechet):")
