@@ -169,3 +169,22 @@ def test_jacobi_refusals():
     gpt = tiny_gpt(0)
     with pytest.raises(ValueError, match="vocab"):
         run(llamagen_target(gpt), JacobiDrafter(4, vocab_size=7), temperature=0)
+
+
+def test_jacobi_on_a_language_model_with_eos_rows_leaving(target):
+    """Any target: a tiny HF Llama, left-padded batch, an EOS that ends rows at different steps
+    (select_rows) -- greedy Jacobi output equals plain decoding (NullDrafter) token for token."""
+    from mmspec.drafters import NullDrafter
+
+    from conftest import VOCAB, left_padded
+
+    ids, mask = left_padded([6, 4, 5, 3])
+    plain = mmspec.speculative_generate(target, NullDrafter(VOCAB), ids, mask, temperature=0, max_new_tokens=20)
+    eos = int(plain.sequences[1, ids.shape[1] + 4])  # row 1 ends by its 5th token
+    ref = mmspec.speculative_generate(target, NullDrafter(VOCAB), ids, mask, temperature=0, max_new_tokens=20,
+                                      eos_token_id=eos, pad_token_id=0)
+    out = mmspec.speculative_generate(target, JacobiDrafter(4, "maximal", vocab_size=VOCAB), ids, mask,
+                                      temperature=0, max_new_tokens=20, eos_token_id=eos, pad_token_id=0,
+                                      generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(set(ref.stats.new_tokens)) > 1  # rows left at different steps
