@@ -210,7 +210,7 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
         g = p.add_argument_group("imagegen")
         g.add_argument("--model", default=None, help="pipeline folder (default assets/testbed/imagegen)")
         g.add_argument("--images", type=int, default=8, help="images per method and batch size per round")
-        g.add_argument("--window", type=_ints, default=(8, 4), help="Jacobi window per batch size")
+        g.add_argument("--window", type=_ints, default=(16, 8), help="Jacobi window per batch size")
         g.add_argument("--methods", type=lambda t: tuple(x for x in t.split(",") if x), default=None,
                        help="comma-separated subset of the methods (default all)")
         g.add_argument("--guidance-scale", type=float, default=None)
@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=int, default=1, help="images per class")
     p.add_argument("--acceptance", default="exact", help="rule name: exact, lantern, gsd, ...")
     p.add_argument("--drafter", choices=("jacobi", "model"), default=None, help="default: the pipeline's")
-    p.add_argument("--window", type=int, default=8, help="Jacobi window (with --drafter jacobi)")
+    p.add_argument("--window", type=int, default=16, help="Jacobi window (with --drafter jacobi)")
     p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default="maximal")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the generator's own")
     p.add_argument("--temperature", type=float, default=1.0)
