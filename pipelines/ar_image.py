@@ -6,7 +6,8 @@ each label with `mmspec.speculative_generate` over the GPT's forward spec
 (`mmspec.models.llamagen_spec`: CFG through `GuidedTarget` with the null class, constant or
 linear schedule) and decodes them with the VQ. Registered components: `target` (`LlamaGenGPT`),
 `vq` (`LlamaGenVQModel`) and `drafter`: a small `LlamaGenGPT` (drafts chains, or trees with
-`drafter_config["tree"]`, under the same guidance: `GuidedModelDrafter`), a `JacobiDrafter`
+`drafter_config["tree"]`, under the same guidance: `GuidedModelDrafter`; a drafter GPT without
+a null class drafts unguided, which stays exact but is accepted less often), a `JacobiDrafter`
 (self-drafting, SJD / coupled drafts; no extra model) or None (Jacobi with the saved settings).
 `pipe.drafter = JacobiDrafter(...)` swaps drafters like a diffusers scheduler; the settings are
 saved with the pipeline (`drafter_config`). `speculative=False` decodes one token per forward
