@@ -6,7 +6,13 @@ Every drafter implements `mmspec.Drafter`: `prefill`, `propose`, `commit`, `sele
 from __future__ import annotations
 
 from .eagle_head import EagleHead, EagleHeadConfig, EagleHeadDrafter
+from .guided_drafter import GuidedModelDrafter
+from .jacobi import JacobiDrafter
 from .model_drafter import ModelDrafter
+from .null_drafter import NullDrafter
 from .vispec import ViSpecDrafter, ViSpecHead
 
-__all__ = ["EagleHead", "EagleHeadConfig", "EagleHeadDrafter", "ModelDrafter", "ViSpecDrafter", "ViSpecHead"]
+__all__ = [
+    "EagleHead", "EagleHeadConfig", "EagleHeadDrafter", "GuidedModelDrafter", "JacobiDrafter", "ModelDrafter",
+    "NullDrafter", "ViSpecDrafter", "ViSpecHead",
+]

@@ -2,6 +2,8 @@
 
     mmspec demo                      side-by-side speed table on a locally built model pair
     mmspec bench [options]           the core benchmark (plain / assisted / mmspec), JSON out
+    mmspec bench imagegen [options]  image generation: plain vs every drafter and rule, JSON out
+    mmspec generate --class N --out DIR   class-conditional images (speculative; --compare: vs plain)
     mmspec testbed ...               the procedural world, VQ tokenizer and judge (see
                                      mmspec/testbed/commands.py)
     mmspec caption / vqa / train-drafter   VLM captioning, VQA and drafter training (see
@@ -46,6 +48,8 @@ def _bench_config(args):
 
 
 def cmd_bench(args) -> int:
+    if args.suite == "imagegen":
+        return cmd_bench_imagegen(args)
     from mmspec.bench.core import format_table, run, save
 
     config = _bench_config(args)
@@ -57,6 +61,112 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_imagegen(args) -> int:
+    from mmspec.bench.imagegen import DEFAULT_MODEL, ImageBenchConfig, format_table, run, save
+
+    kw = dict(model=args.model or DEFAULT_MODEL, batch_sizes=args.batch_sizes, images=args.images,
+              repeats=args.repeats, guidance_scale=args.guidance_scale, temperature=args.temperature,
+              draft_tokens=args.draft_tokens, window=args.window, methods=tuple(args.methods or ()), seed=args.seed,
+              threads=args.threads or 2, judge_images=args.judge_images)
+    if args.smoke:  # seconds-long check that the benchmark runs end to end; no figures
+        kw.update(batch_sizes=(1, 2), images=2, repeats=1, draft_tokens=(2,), window=(3,), judge_images=0)
+    _require_model(kw["model"], "bench imagegen")
+    try:
+        config = ImageBenchConfig(**kw)
+    except ValueError as e:
+        raise SystemExit(f"mmspec bench imagegen: {e}") from None
+    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(format_table(report))
+    if args.json:
+        save(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _require_model(path: str, command: str) -> None:
+    if not os.path.isdir(path):
+        raise SystemExit(f"mmspec {command}: no generator at {path}; pass --model DIR (a SpeculativeARImagePipeline "
+                         "folder, or the testbed layout made by `mmspec testbed train-imagegen`)")
+
+
+def cmd_generate(args) -> int:
+    import json
+    import time
+
+    import torch
+
+    from mmspec.bench.imagegen import DEFAULT_MODEL, default_guidance, load_pipeline
+    from mmspec.drafters import JacobiDrafter
+    from mmspec.models.llamagen_gpt import LlamaGenGPT
+
+    model = args.model or DEFAULT_MODEL
+    _require_model(model, "generate")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pipe = load_pipeline(model)
+    pipe.set_progress_bar_config(disable=args.json)
+    if args.drafter == "jacobi":
+        pipe.drafter = JacobiDrafter(args.window, None if args.coupling == "none" else args.coupling)
+    elif args.drafter == "model" and not isinstance(pipe.drafter, LlamaGenGPT):
+        raise SystemExit(f"mmspec generate: {model} has no drafter model; use --drafter jacobi")
+    scale = args.guidance_scale if args.guidance_scale is not None else default_guidance(model)
+    os.makedirs(args.out, exist_ok=True)
+    call = dict(num_images_per_prompt=args.num_images, guidance_scale=scale, temperature=args.temperature,
+                top_k=args.top_k, acceptance=args.acceptance)
+    if args.compare:  # warm both paths up (first calls pay one-off costs), untimed
+        pipe(args.class_[:1], **{**call, "num_images_per_prompt": 1}, output_type="latent")
+        pipe(args.class_[:1], **{**call, "num_images_per_prompt": 1}, speculative=False, output_type="latent")
+    try:
+        t0 = time.perf_counter()
+        out = pipe(args.class_, **call, generator=torch.Generator().manual_seed(args.seed))
+        spec_s = time.perf_counter() - t0
+    except ValueError as e:
+        raise SystemExit(f"mmspec generate: {e}") from None
+    labels = [c for c in args.class_ for _ in range(args.num_images)]
+    names = [f"class{c:02d}_{i % args.num_images}.png" for i, c in enumerate(labels)]
+    for img, name in zip(out.images, names):
+        img.save(os.path.join(args.out, name))
+    s = out.stats
+    summary = {"model": model, "classes": args.class_, "images": len(labels), "guidance_scale": scale,
+               "acceptance": args.acceptance, "lossless": s.lossless, "drafter": s.drafter, "seed": args.seed,
+               "seconds": round(spec_s, 3), "target_forwards_per_image": round(s.target_forwards_per_image, 3),
+               "mean_accepted_length": round(s.mean_accepted_length, 3), "files": names}
+    if args.compare:
+        t0 = time.perf_counter()
+        plain = pipe(args.class_, **call, speculative=False, generator=torch.Generator().manual_seed(args.seed))
+        plain_s = time.perf_counter() - t0
+        for img, name in zip(plain.images, names):
+            img.save(os.path.join(args.out, "plain_" + name))
+        _side_by_side(out.images, plain.images, os.path.join(args.out, "compare.png"))
+        summary.update(plain_seconds=round(plain_s, 3), speedup=round(plain_s / spec_s, 3),
+                       plain_target_forwards_per_image=round(plain.stats.target_forwards_per_image, 3),
+                       same_tokens_as_plain=bool(torch.equal(plain.tokens, out.tokens)), compare="compare.png")
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {len(labels)} images to {args.out} in {spec_s:.2f}s ({s.drafter}, acceptance={args.acceptance}); "
+              f"target forwards per image {s.target_forwards_per_image:.2f}, mean accepted length "
+              f"{s.mean_accepted_length:.2f}")
+        if args.compare:
+            print(f"plain decoding: {plain_s:.2f}s, {plain.stats.target_forwards_per_image:.2f} forwards per image; "
+                  f"speed-up {plain_s / spec_s:.2f}x; side by side in {os.path.join(args.out, 'compare.png')} "
+                  "(left: speculative, right: plain, same seed)")
+    return 0
+
+
+def _side_by_side(left, right, path: str, scale: int = 2) -> None:
+    from PIL import Image
+
+    w, h = left[0].size
+    sheet = Image.new("RGB", (2 * w * scale + 4, len(left) * h * scale), (255, 255, 255))
+    for i, (a, b) in enumerate(zip(left, right)):
+        sheet.paste(a.resize((w * scale, h * scale), Image.NEAREST), (0, i * h * scale))
+        sheet.paste(b.resize((w * scale, h * scale), Image.NEAREST), (w * scale + 4, i * h * scale))
+    sheet.save(path)
+
+
 def cmd_demo(args) -> int:
     print("mmspec demo: speculative decoding vs plain decoding and transformers' assisted generation.\n"
           "The target/drafter pair is BUILT LOCALLY with random weights (mmspec/bench/pair.py): its greedy\n"
@@ -65,10 +175,27 @@ def cmd_demo(args) -> int:
           "the other kernels (transformers on mmspec's packed view), so 'same kern.' shows the speculative gain alone.\n",
           flush=True)
     args.repeats = args.repeats or 1
-    return cmd_bench(args)
+    args.suite = "core"
+    code = cmd_bench(args)
+    if args.no_images:
+        return code
+    from mmspec.bench.imagegen import DEFAULT_MODEL, demo
+
+    if not os.path.isdir(DEFAULT_MODEL):
+        print(f"\n(image section skipped: no bundled generator at {DEFAULT_MODEL})")
+        return code
+    print("\nmmspec demo, images: the bundled class-conditional generator (assets/testbed/imagegen), plain AR decoding\n"
+          "vs speculative decoding with a small drafter model and with Jacobi self-drafting (exact = lossless), and the\n"
+          "relaxed LANTERN and GSD rules; same labels and seeds for every method.\n", flush=True)
+    print(demo(DEFAULT_MODEL, args.image_out, progress=lambda m: print(m, file=sys.stderr, flush=True),
+               threads=args.threads or 2))
+    return code
 
 
 def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
+    if not demo:
+        p.add_argument("suite", nargs="?", choices=("core", "imagegen"), default="core",
+                       help="core (LLM pair, default) or imagegen (the image generator)")
     p.add_argument("--batch-sizes", type=_ints, default=(1, 8), help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--draft-tokens", type=_ints, default=(4, 3), help="draft tokens K per batch size (default 4,3)")
     p.add_argument("--max-new-tokens", type=int, default=48 if demo else 64)
@@ -82,6 +209,15 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     if not demo:
         p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the bench runs)")
+        g = p.add_argument_group("imagegen")
+        g.add_argument("--model", default=None, help="pipeline folder (default assets/testbed/imagegen)")
+        g.add_argument("--images", type=int, default=8, help="images per method and batch size per round")
+        g.add_argument("--window", type=_ints, default=(16, 8), help="Jacobi window per batch size")
+        g.add_argument("--methods", type=lambda t: tuple(x for x in t.split(",") if x), default=None,
+                       help="comma-separated subset of the methods (default all)")
+        g.add_argument("--guidance-scale", type=float, default=None)
+        g.add_argument("--temperature", type=float, default=1.0)
+        g.add_argument("--judge-images", type=int, default=0, help="judge plain vs lossy rules on N images each")
 
 
 from mmspec.bench import SUITES  # noqa: E402  (a plain dict of names, no heavy imports)
@@ -90,13 +226,32 @@ from mmspec.bench import SUITES  # noqa: E402  (a plain dict of names, no heavy 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmspec", description="Speculative decoding for VLMs and AR image generators")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="side-by-side speed table on a locally built pair (< 2 min on CPU)")
+    p = sub.add_parser("demo", help="side-by-side speed tables: a locally built LLM pair, the bundled image generator")
     _add_bench_options(p, demo=True)
+    p.add_argument("--image-out", default="mmspec_demo_images", help="folder for the image section's grid PNG + JSON")
+    p.add_argument("--no-images", action="store_true", help="skip the image section")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="core benchmark: plain generate, assisted generation, mmspec; "
                        f"`mmspec bench SUITE --help` for the suites {sorted(SUITES)}")
     _add_bench_options(p, demo=False)
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("generate", help="class-conditional images with speculative decoding (PNG out)")
+    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled assets/testbed/imagegen)")
+    p.add_argument("--class", dest="class_", type=int, nargs="+", required=True, help="class id(s)")
+    p.add_argument("--num-images", type=int, default=1, help="images per class")
+    p.add_argument("--acceptance", default="exact", help="rule name: exact, lantern, gsd, ...")
+    p.add_argument("--drafter", choices=("jacobi", "model"), default=None, help="default: the pipeline's")
+    p.add_argument("--window", type=int, default=16, help="Jacobi window (with --drafter jacobi)")
+    p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default="maximal")
+    p.add_argument("--guidance-scale", type=float, default=None, help="default: the generator's own")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compare", action="store_true", help="also decode plainly on the same seed; print the speed-up")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
+    p.add_argument("--out", required=True, help="output folder for the PNGs")
+    p.set_defaults(func=cmd_generate)
     from mmspec.testbed.commands import add_subparsers as add_testbed
 
     add_testbed(sub)

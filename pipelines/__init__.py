@@ -15,6 +15,10 @@ _LAZY = {
     "MARPipelineOutput": "mmspec.pipelines.mar_pipeline",
     "MARStats": "mmspec.pipelines.cspd",
     "sample_mar": "mmspec.pipelines.cspd",
+    # class-conditional AR image generation (LlamaGen c2i)
+    "SpeculativeARImagePipeline": "mmspec.pipelines.ar_image",
+    "ARImagePipelineOutput": "mmspec.pipelines.ar_image",
+    "ARImageStats": "mmspec.pipelines.ar_image",
 }
 
 

@@ -13,6 +13,8 @@ _LAZY = {
     "MARModel": "mmspec.models.mar", "load_kl16": "mmspec.models.kl16",
     "LlamaGenGPT": "mmspec.models.llamagen_gpt", "LlamaGenGPTConfig": "mmspec.models.llamagen_gpt",
     "generate_plain": "mmspec.models.llamagen_sample",
+    "LlamaGenSpec": "mmspec.models.llamagen_spec", "LlamaGenTarget": "mmspec.models.llamagen_spec",
+    "llamagen_target": "mmspec.models.llamagen_spec",
 }
 
 

@@ -1,0 +1,109 @@
+"""`GuidedModelDrafter`: a model drafter that drafts under classifier-free guidance.
+
+What: `mmspec.GuidedTarget` verifies with guided logits `u + s * (c - u)`; a drafter that
+drafts from its conditional logits alone proposes tokens of another distribution and gets
+rejected more often. This drafter is a `ModelDrafter` (chains and EAGLE-2 trees) whose runner
+holds a doubled batch, conditional rows `[0, B)` and unconditional rows `[B, 2B)` (built by
+`make_uncond`, e.g. LlamaGen's null class), runs both halves in the same drafter forward and
+hands the drafting code the guided logits, with the same scale or schedule as the target.
+Both halves advance, roll back and leave the batch together (the same scheme as
+`GuidedTarget`, applied to the drafter's own ragged cache). The CFG form is LlamaGen's
+(github.com/FoundationVision/LlamaGen, `autoregressive/models/generate.py`).
+
+The schedule receives the index of the token being predicted (0 = the first new token),
+derived from the logical positions of the drafter's queries: index = position - prompt
+length + 1, the same index `GuidedTarget` passes.
+
+Limits: doubles the drafter's compute (as CFG doubles the target's); drafter model inputs
+other than token ids are not used (as `ModelDrafter`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mmspec.spec import SpecOutput, SpecRunner
+from mmspec.types import TreeConfig
+
+from .model_drafter import ModelDrafter
+
+
+class _GuidedRunner:
+    """A `SpecRunner` look-alike over a doubled batch that returns guided logits."""
+
+    def __init__(self, inner: SpecRunner, schedule: Callable, make_uncond: Callable):
+        self.inner = inner
+        self.spec = inner.spec
+        self.schedule = schedule
+        self.make_uncond = make_uncond
+        self.prompt_len: torch.Tensor | None = None  # [B] logical prompt length of the conditional rows
+
+    @property
+    def kv(self):
+        return self.inner.kv
+
+    def _guide(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        B = logits.shape[0] // 2
+        cond, uncond = logits[:B], logits[B:]
+        scale = self.schedule(index)
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(cond.dtype).unsqueeze(-1)
+        return uncond + scale * (cond - uncond)
+
+    def prefill(self, input_ids, attention_mask, max_slots: int, model_inputs: dict[str, Any], features=None):
+        B = input_ids.shape[0]
+        u_ids, u_mask, _ = self.make_uncond(input_ids, attention_mask, model_inputs)
+        if u_ids.shape[1] != input_ids.shape[1]:
+            raise ValueError("GuidedModelDrafter: unconditional prompts must have the conditional prompts' length "
+                             f"({input_ids.shape[1]}), got {u_ids.shape[1]}")
+        out = self.inner.prefill(torch.cat([input_ids, u_ids]), torch.cat([attention_mask, u_mask.to(attention_mask.dtype)]),
+                                 max_slots, {}, features)
+        self.prompt_len = attention_mask.long().sum(1)
+        index = torch.zeros(B, 1, dtype=torch.long, device=input_ids.device)
+        return SpecOutput(logits=self._guide(out.logits, index))
+
+    def forward(self, tokens, depth, tree_visible, uncommitted: int, *, last_only: bool = False) -> SpecOutput:
+        B = tokens.shape[0]
+        q_pos = self.inner.kv.next_pos[:B].unsqueeze(1) + depth  # logical positions of the conditional queries
+        out = self.inner.forward(torch.cat([tokens, tokens]), torch.cat([depth, depth]),
+                                 torch.cat([tree_visible, tree_visible]), uncommitted, last_only=last_only)
+        index = q_pos - self.prompt_len.unsqueeze(1) + 1
+        if last_only:
+            index = index[:, -1:]
+        return SpecOutput(logits=self._guide(out.logits, index))
+
+    def advance(self, counts: torch.Tensor, counts_host: list[int], path: torch.Tensor | None = None) -> None:
+        self.inner.advance(torch.cat([counts, counts]), counts_host + counts_host,
+                           None if path is None else torch.cat([path, path]))
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        B = self.inner.kv.batch_size // 2
+        self.inner.select_rows(torch.cat([rows, rows + B]), rows_host + [r + B for r in rows_host])
+        self.prompt_len = self.prompt_len.index_select(0, rows)
+
+
+class GuidedModelDrafter(ModelDrafter):
+    """`ModelDrafter(model, num_draft_tokens, tree)` drafting from guided logits. `guidance_scale`
+    is a number or a schedule callable (as `GuidedTarget` takes it); `make_uncond(input_ids,
+    attention_mask, model_inputs) -> (ids, mask, model_inputs)` builds the unconditional prompts
+    (same length as the conditional ones)."""
+
+    def __init__(self, model, guidance_scale, num_draft_tokens: int = 4, tree: TreeConfig | None = None, *,
+                 make_uncond: Callable, prepack="auto"):
+        super().__init__(model, None if tree is not None else num_draft_tokens, tree, prepack=prepack)
+        if callable(guidance_scale):
+            schedule = guidance_scale
+        else:
+            if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not math.isfinite(
+                guidance_scale
+            ):
+                raise ValueError(f"guidance_scale must be a finite number or a schedule callable, got {guidance_scale!r}")
+            scale = float(guidance_scale)
+            schedule = lambda index: scale  # noqa: E731
+        if not callable(make_uncond):
+            raise TypeError("GuidedModelDrafter needs make_uncond(input_ids, attention_mask, model_inputs)")
+        self.runner = _GuidedRunner(self.runner, schedule, make_uncond)

@@ -1,0 +1,195 @@
+"""`JacobiDrafter`: training-free self-drafting by Jacobi iteration, with coupled drafts.
+
+Sources: Speculative Jacobi Decoding (SJD; Teng et al. 2024, arXiv 2410.01699): the target
+verifies a window of W draft tokens in one forward; its own output at window position j
+(conditioned on the possibly wrong drafts before j) is the next iteration's draft for the
+position after j, so the unaccepted tail of the window is recycled instead of thrown away, and
+the positions that enter the window fresh are initialised with random tokens. Coupled drafts
+(SCD / MC-SJD, arXiv 2510.24211): each window position keeps its previous draft unless the
+new distribution disagrees, so drafts stop flickering between iterations and the target's
+conditional outputs downstream stay valid:
+
+- `coupling="maximal"`: keep the previous draft y (drawn from q_old) with probability
+  min(1, q_new(y) / q_old(y)), else draw from norm(max(q_new - q_old, 0)). The new draft is
+  distributed exactly q_new (maximal coupling), and equal to y as often as possible.
+- `coupling="gumbel"`: every absolute image position owns one Gumbel noise vector g, drawn
+  once; its draft is argmax(log q + g) (Gumbel-max: distributed exactly q) at every iteration.
+- `coupling=None`: a fresh sample from q_new each iteration (plain SJD).
+
+Exactness: each draft is drawn from the q returned in `Draft.draft_probs`, and conditionally
+on everything the verifier has seen (committed tokens, earlier drafts of the step, their
+target distributions) its law is still q: the previous draft / the noise of a position only
+ever fed forwards whose outputs sit at *later* positions, and a position leaves the window
+as soon as the verifier examines it. So exact verification stays lossless (tested by
+chi-square), and every rule works (SJD + GSD is what GSD runs; LANTERN).
+
+The drafter reads the target's logits in `commit(info, target_out)` (for a CFG target they
+are already guided: drafts follow the guided distribution); temperature / top-k / top-p are
+applied in `propose`, exactly like the target's. Batched: every row keeps its own window,
+shifted by its own accepted count. Greedy (temperature 0): drafts are the argmax of the
+recycled logits (Jacobi decoding proper), no draft probabilities.
+
+`init`: `"random"` (SJD: uniform random tokens, q uniform) or `"last"` (a sample from the
+window's last recycled distribution, q = that distribution; uniform when there is none).
+`vocab_size` is set by the pipeline (or pass it): the loop checks it against the target's.
+
+Limits: chains only (a window is one chain); no drafter forward (`draft_calls` stays 0); the
+window shrinks near the end of the sequence so no draft runs past `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmspec.sampling import SamplingConfig, normalize, process_logits, sample_from
+from mmspec.tree import chain_parents
+from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput
+
+COUPLINGS = (None, "maximal", "gumbel")
+INITS = ("random", "last")
+
+
+class JacobiDrafter:
+    """Speculative Jacobi decoding drafter (see module docstring)."""
+
+    features = FeatureRequest()  # logits only
+
+    def __init__(self, window: int = 16, coupling: str | None = "maximal", init: str = "random", *,
+                 vocab_size: int | None = None):
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if coupling not in COUPLINGS:
+            raise ValueError(f"coupling={coupling!r}: must be one of {COUPLINGS}")
+        if init not in INITS:
+            raise ValueError(f"init={init!r}: must be one of {INITS}")
+        self.window = window
+        self.coupling = coupling
+        self.init = init
+        self.vocab_size = vocab_size
+        self.max_draft_nodes = window
+        self.draft_calls = 0
+
+    def __repr__(self) -> str:
+        return f"JacobiDrafter(window={self.window}, coupling={self.coupling!r}, init={self.init!r})"
+
+    # ---- protocol --------------------------------------------------------------------------
+    def prefill(self, input_ids, attention_mask, target_out: TargetOutput, model_inputs: dict[str, Any],
+                max_new_tokens: int) -> None:
+        if self.vocab_size is None:
+            raise ValueError("JacobiDrafter.vocab_size is not set: pass vocab_size= (the target's vocabulary size)")
+        B, W, V = input_ids.shape[0], self.window, self.vocab_size
+        device = input_ids.device
+        dtype = target_out.logits.dtype
+        self.logits = torch.zeros(B, W, V, dtype=dtype, device=device)  # recycled logits per window slot
+        self.have_logits = torch.zeros(B, W, dtype=torch.bool, device=device)
+        self.prev_tokens = torch.zeros(B, W, dtype=torch.long, device=device)  # previous drafts (coupling)
+        self.prev_q: torch.Tensor | None = None  # [B, W, V] the distributions they were drawn from
+        self.prev_valid = torch.zeros(B, W, dtype=torch.bool, device=device)
+        self.noise = torch.zeros(B, W, V, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                                 device=device)  # Gumbel noise per window slot (coupling="gumbel")
+        self.noise_valid = torch.zeros(B, W, dtype=torch.bool, device=device)
+        self.remaining = [max_new_tokens - 1] * B  # tokens each row still emits after the root
+        self.draft_calls = 0
+        self._drafted: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
+        B, V = roots.shape[0], self.vocab_size
+        device = roots.device
+        N = max(0, min(self.window, max(self.remaining, default=0) - 1))
+        if N == 0:
+            self._drafted = (roots.new_zeros(B, 0), None)
+            return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
+        have = self.have_logits[:, :N]
+        known = process_logits(self.logits[:, :N], sampling)  # [B, N, V]
+        init_q = self._init_q(known, have, sampling)
+        q = torch.where(have.unsqueeze(-1), known, init_q)
+        if sampling.greedy:
+            random_tokens = torch.randint(V, (B, N), generator=generator, device=generator.device if generator
+                                          is not None else device).to(device)
+            tokens = torch.where(have, known.argmax(-1), random_tokens if self.init == "random" else init_q.argmax(-1))
+            self._drafted = (tokens, None)
+            return Draft(tokens=tokens, parents=chain_parents(B, N, device), draft_probs=None)
+        if self.coupling == "gumbel":
+            self._fill_noise(N, generator)
+            tokens = (q.clamp_min(0).log() + self.noise[:, :N].to(q.dtype)).argmax(-1)
+        else:
+            tokens = sample_from(q.reshape(B * N, V), generator).view(B, N)
+            if self.coupling == "maximal" and self.prev_q is not None:
+                tokens = self._maximal_coupling(tokens, q, N, generator)
+        self._drafted = (tokens, q)
+        return Draft(tokens=tokens, parents=chain_parents(B, N, device), draft_probs=q)
+
+    def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
+        tokens, q = self._drafted
+        B, N = tokens.shape
+        W = self.window
+        device = tokens.device
+        n = info.num_accepted
+        src = n.unsqueeze(1) + 1 + torch.arange(W, device=device).unsqueeze(0)  # [B, W]: old index of new slot k
+        logits = target_out.logits  # [B, N+1, V] (guided for CFG targets)
+        self.have_logits = src <= N
+        self.logits = logits.gather(1, src.clamp(max=N).unsqueeze(-1).expand(B, W, logits.shape[-1]))
+        if N > 0:
+            idx = src.clamp(max=N - 1)
+            self.prev_valid = src < N
+            self.prev_tokens = tokens.gather(1, idx)
+            self.prev_q = None if q is None else q.gather(1, idx.unsqueeze(-1).expand(B, W, q.shape[-1]))
+        else:
+            self.prev_valid = torch.zeros_like(self.prev_valid)
+            self.prev_q = None
+        idx = src.clamp(max=W - 1)
+        self.noise_valid = self.noise_valid.gather(1, idx) & (src < W)
+        self.noise = self.noise.gather(1, idx.unsqueeze(-1).expand_as(self.noise))
+        self.remaining = [r - a - 1 for r, a in zip(self.remaining, info.num_accepted_list)]
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        for name in ("logits", "have_logits", "prev_tokens", "prev_q", "prev_valid", "noise", "noise_valid"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows))
+        self.remaining = [self.remaining[r] for r in rows_host]
+
+    # ---- internals -------------------------------------------------------------------------
+    def _init_q(self, known: torch.Tensor, have: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+        """Distribution of the slots without recycled logits [B, N, V]."""
+        B, N, V = known.shape
+        uniform = torch.full_like(known, 1.0 / V)
+        if self.init == "random":
+            return uniform
+        # "last": the distribution of the row's last slot with recycled logits (uniform if none).
+        count = have.long().sum(1)  # recycled slots are a prefix of the window
+        last = known.gather(1, (count - 1).clamp_min(0).view(B, 1, 1).expand(B, 1, V))
+        return torch.where((count > 0).view(B, 1, 1), last.expand(B, N, V), uniform)
+
+    def _fill_noise(self, N: int, generator) -> None:
+        """Draw Gumbel noise for window slots that have none yet (positions new to the window)."""
+        need = ~self.noise_valid[:, :N]
+        if not bool(need.any()):  # SYNC: once per step (Gumbel coupling only)
+            return
+        B, _, V = self.noise.shape
+        where = generator.device if generator is not None else self.noise.device
+        u = torch.rand(B, N, V, generator=generator, device=where, dtype=self.noise.dtype).to(self.noise.device)
+        tiny = torch.finfo(self.noise.dtype).tiny
+        exp1 = -torch.log(u.clamp_min(tiny))  # Exp(1)
+        fresh = -torch.log(exp1.clamp_min(tiny))  # Gumbel(0, 1)
+        self.noise[:, :N] = torch.where(need.unsqueeze(-1), fresh, self.noise[:, :N])
+        self.noise_valid[:, :N] = True
+
+    def _maximal_coupling(self, fresh: torch.Tensor, q: torch.Tensor, N: int, generator) -> torch.Tensor:
+        """Keep the previous draft y w.p. min(1, q(y)/q_old(y)), else draw from norm(max(q - q_old, 0))."""
+        B, _, V = q.shape
+        valid = self.prev_valid[:, :N]
+        y = self.prev_tokens[:, :N]
+        q_old = self.prev_q[:, :N].to(q.dtype)
+        qy = q.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        qoy = q_old.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        keep_p = torch.where(qoy > 0, (qy / qoy.clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1.0),
+                             torch.zeros_like(qy))
+        where = generator.device if generator is not None else q.device
+        u = torch.rand(B, N, generator=generator, device=where, dtype=q.dtype).to(q.device)
+        residual = normalize((q - q_old).clamp_min(0.0).reshape(B * N, V), q.reshape(B * N, V))
+        moved = sample_from(residual, generator).view(B, N)
+        coupled = torch.where(u < keep_p, y, moved)
+        return torch.where(valid, coupled, fresh)

@@ -1,0 +1,309 @@
+"""Image-generation benchmark (`mmspec bench imagegen`): plain AR decoding against speculative
+decoding with every drafter and rule, on a `SpeculativeARImagePipeline` folder (default: the
+bundled testbed generator).
+
+For each batch size it runs every method on the same class labels and seeds, in interleaved
+rounds (plain, exact with the small-model drafter, exact with coupled / Gumbel-coupled /
+uncoupled Jacobi drafts, LANTERN and GSD with each drafter), and reports target forwards
+per image (prefill included; `calls`: target forwards of the batched calls, which wait for their
+slowest row), mean accepted length, images per second and the wall-clock
+speed-up over plain decoding through the same target code (median over rounds). It also
+times the target's verify forward over Q tokens against its one-token forward at the same
+context (`verify_cost`), which is what bounds any speed-up: a method pays
+cost(Q) / cost(1) per forward for its accepted length. With `judge_images > 0` the testbed
+judge scores plain and lossy-rule images (class accuracy, Frechet distance).
+
+Limits: timings are of this machine and its load; run under the CPU lock with fixed threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "assets/testbed/imagegen"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageBenchConfig:
+    model: str = DEFAULT_MODEL
+    batch_sizes: tuple[int, ...] = (1, 8)
+    images: int = 8  # images per method and batch size in each round
+    repeats: int = 3  # timed rounds (median); one untimed warm-up round first
+    guidance_scale: float | None = None  # None: the generator's default (its metrics.json), else 4.0
+    temperature: float = 1.0
+    top_k: int | None = None
+    draft_tokens: tuple[int, ...] = (4, 3)  # small-model drafter K per batch size
+    window: tuple[int, ...] = (16, 8)  # Jacobi window per batch size (16: fewest forwards at batch 1 on the testbed generator)
+    methods: tuple[str, ...] = ()  # () = all
+    seed: int = 0
+    threads: int | None = 2
+    judge_images: int = 0  # > 0: judge plain vs lossy rules on this many images each
+    judge_dir: str = "assets/testbed/judge"
+
+    def __post_init__(self):
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
+        for name in ("draft_tokens", "window"):
+            if len(getattr(self, name)) not in (1, len(self.batch_sizes)):
+                raise ValueError(f"{name} needs one value or one per batch size, got {getattr(self, name)}")
+        if self.images < 1 or self.repeats < 1:
+            raise ValueError("images and repeats must be >= 1")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; known: {list(METHODS)}")
+
+    def per_batch(self, name: str, i: int) -> int:
+        values = getattr(self, name)
+        return values[i] if len(values) > 1 else values[0]
+
+
+# name -> (drafter kind, coupling, acceptance)
+METHODS = {
+    "plain": ("plain", None, "exact"),
+    "exact/model": ("model", None, "exact"),
+    "exact/jacobi-maximal": ("jacobi", "maximal", "exact"),
+    "exact/jacobi-gumbel": ("jacobi", "gumbel", "exact"),
+    "exact/jacobi-uncoupled": ("jacobi", None, "exact"),
+    "lantern/model": ("model", None, "lantern"),
+    "lantern/jacobi-maximal": ("jacobi", "maximal", "lantern"),
+    "gsd/model": ("model", None, "gsd"),
+    "gsd/jacobi-maximal": ("jacobi", "maximal", "gsd"),
+}
+
+
+def load_pipeline(model: str):
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    pipe = SpeculativeARImagePipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def default_guidance(model: str) -> float:
+    metrics = Path(model) / "metrics.json"
+    if metrics.is_file():
+        default = json.loads(metrics.read_text()).get("eval", {}).get("default", {})
+        if "guidance_scale" in default:
+            return float(default["guidance_scale"])
+    return 4.0
+
+
+def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int) -> None:
+    from mmspec.drafters import JacobiDrafter
+
+    settings = dict(pipe.config.drafter_config)
+    if kind == "model":
+        if gpt_drafter is None:
+            raise ValueError("this pipeline has no drafter model; run the jacobi methods only (--methods)")
+        pipe.drafter = gpt_drafter
+        settings["num_draft_tokens"] = K
+    elif kind == "jacobi":
+        pipe.drafter = JacobiDrafter(W, coupling)
+    pipe.register_to_config(drafter_config=settings)
+
+
+def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConfig, scale: float, seed: int) -> dict:
+    kind, _, acceptance = METHODS[method]
+    gen = torch.Generator().manual_seed(seed)
+    forwards, emitted, row_steps, calls, tokens = 0.0, 0, 0, 0, []
+    t0 = time.perf_counter()
+    for i in range(0, len(labels), B):
+        out = pipe(labels[i:i + B], guidance_scale=scale, temperature=cfg.temperature, top_k=cfg.top_k,
+                   acceptance=acceptance, speculative=kind != "plain", generator=gen, output_type="latent")
+        s = out.stats
+        forwards += s.target_forwards_per_image * s.images
+        emitted += s.emitted_tokens
+        row_steps += s.row_steps
+        calls += s.target_calls + s.prefill_calls
+        tokens.append(out.tokens)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "forwards_per_image": forwards / len(labels), "batch_forwards": calls,
+            "mean_accepted_length": emitted / row_steps if row_steps else 1.0, "tokens": torch.cat(tokens)}
+
+
+@torch.no_grad()
+def verify_cost(pipe, B: int, scale: float, widths=(1, 2, 4, 5, 8, 9, 16, 17), context: int = 32, calls: int = 20) -> dict:
+    """Median seconds of one target verify forward over Q tokens at `context` committed image
+    tokens, batch B (CFG doubles the rows), and its ratio to the one-token forward."""
+    from mmspec.models.llamagen_spec import llamagen_target
+    from mmspec.types import CommitInfo
+
+    T = pipe.num_tokens
+    target = llamagen_target(pipe.target, scale, num_tokens=T)
+    labels = (torch.arange(B) % pipe.num_classes).view(B, 1)
+    target.prefill(labels, torch.ones_like(labels), {}, T, max(widths))
+    tok = torch.zeros(B, dtype=torch.long)
+    for _ in range(min(context, T - 1)):
+        target.verify(tok.view(B, 1), None)
+        target.commit(CommitInfo(path=torch.zeros(B, 1, dtype=torch.long), num_accepted=torch.zeros(B, dtype=torch.long),
+                                 accepted_tokens=torch.zeros(B, 0, dtype=torch.long), next_tokens=tok,
+                                 num_accepted_list=[0] * B))
+    batches = {Q: torch.randint(pipe.target.args.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q))
+               for Q in widths}
+    for tokens in batches.values():
+        target.verify(tokens, None)  # warm-up (verify without commit leaves the cache as it was)
+    times: dict[int, list[float]] = {Q: [] for Q in widths}
+    for _ in range(calls):  # interleaved, so load drift hits every width alike
+        for Q, tokens in batches.items():
+            t0 = time.perf_counter()
+            target.verify(tokens, None)
+            times[Q].append(time.perf_counter() - t0)
+    result = {Q: statistics.median(t) for Q, t in times.items()}
+    return {"seconds": {str(q): round(t, 6) for q, t in result.items()},
+            "ratio_to_one_token": {str(q): round(t / result[1], 3) for q, t in result.items()}}
+
+
+def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str], progress) -> dict:
+    from mmspec.testbed.judge_model import Judge
+
+    judge = Judge.from_pretrained(cfg.judge_dir)
+    labels = [i % pipe.num_classes for i in range(cfg.judge_images)]
+    out = {}
+    for method in methods:
+        kind, coupling, acceptance = METHODS[method]
+        _set_drafter(pipe, _drafter_model(pipe), kind, coupling, cfg.per_batch("draft_tokens", -1),
+                     cfg.per_batch("window", -1))
+        gen = torch.Generator().manual_seed(cfg.seed + 7)
+        pixels = []
+        for i in range(0, len(labels), 32):
+            o = pipe(labels[i:i + 32], guidance_scale=scale, temperature=cfg.temperature, top_k=cfg.top_k,
+                     acceptance=acceptance, speculative=kind != "plain", generator=gen, output_type="pt")
+            pixels.append(o.images * 2 - 1)
+        out[method] = {k: round(v, 4) for k, v in judge.score(torch.cat(pixels), torch.tensor(labels)).items()}
+        progress(f"judge {method}: {out[method]}")
+    return out
+
+
+_DRAFTER_MODEL = {}
+
+
+def _drafter_model(pipe):
+    return _DRAFTER_MODEL.get(id(pipe))
+
+
+def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    pipe = load_pipeline(cfg.model)
+    gpt_drafter = _drafter_model_of(pipe)
+    _DRAFTER_MODEL[id(pipe)] = gpt_drafter
+    scale = cfg.guidance_scale if cfg.guidance_scale is not None else default_guidance(cfg.model)
+    methods = list(cfg.methods) or [m for m in METHODS if gpt_drafter is not None or METHODS[m][0] != "model"]
+    if "plain" not in methods:
+        methods.insert(0, "plain")
+    report = {"config": {**dataclasses.asdict(cfg), "guidance_scale": scale}, "model": {
+        "target_parameters": sum(p.numel() for p in pipe.target.parameters()),
+        "drafter_parameters": None if gpt_drafter is None else sum(p.numel() for p in gpt_drafter.parameters()),
+        "image_tokens": pipe.num_tokens, "codebook": pipe.target.args.vocab_size, "torch_threads": torch.get_num_threads(),
+    }, "batches": []}
+    labels = [i % pipe.num_classes for i in range(cfg.images)]
+    for bi, B in enumerate(cfg.batch_sizes):
+        K, W = cfg.per_batch("draft_tokens", bi), cfg.per_batch("window", bi)
+        progress(f"batch {B}: verify cost")
+        entry = {"batch_size": B, "draft_tokens": K, "window": W, "verify_cost": verify_cost(pipe, B, scale)}
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for r in range(cfg.repeats + 1):  # round 0 warms up
+            for m in methods:
+                kind, coupling, _ = METHODS[m]
+                _set_drafter(pipe, gpt_drafter, kind, coupling, K, W)
+                res = run_method(pipe, labels, B, m, cfg, scale, cfg.seed + r)
+                if r > 0:
+                    runs[m].append(res)
+            progress(f"batch {B}: round {r}/{cfg.repeats} done")
+        plain_wall = statistics.median(x["wall_s"] for x in runs["plain"])
+        rows = {}
+        for m in methods:
+            wall = statistics.median(x["wall_s"] for x in runs[m])
+            rows[m] = {
+                "wall_s": round(wall, 4), "images_per_s": round(cfg.images / wall, 3),
+                "speedup_vs_plain": round(plain_wall / wall, 3),
+                "forwards_per_image": round(statistics.mean(x["forwards_per_image"] for x in runs[m]), 3),
+                "batch_forwards": statistics.mean(x["batch_forwards"] for x in runs[m]),
+                "mean_accepted_length": round(statistics.mean(x["mean_accepted_length"] for x in runs[m]), 3),
+                "lossless": METHODS[m][2] == "exact",
+            }
+        entry["methods"] = rows
+        report["batches"].append(entry)
+    if cfg.judge_images > 0:
+        lossy = [m for m in methods if METHODS[m][2] != "exact"]
+        report["judge"] = judge_quality(pipe, cfg, scale, ["plain"] + lossy, progress)
+    return report
+
+
+def format_table(report: dict) -> str:
+    lines = []
+    m = report["model"]
+    d = m["drafter_parameters"]
+    drafter = "-" if d is None else f"{d / 1e6:.2f}M"
+    lines.append(f"image generation: target {m['target_parameters'] / 1e6:.2f}M params, drafter {drafter}, "
+                 f"{m['image_tokens']} tokens/image, codebook {m['codebook']}, guidance "
+                 f"{report['config']['guidance_scale']}, threads {m['torch_threads']}")
+    for e in report["batches"]:
+        ratio = e["verify_cost"]["ratio_to_one_token"]
+        lines.append(f"\nbatch {e['batch_size']} (model drafter K={e['draft_tokens']}, Jacobi window {e['window']}); "
+                     "verify cost / one-token forward: " + ", ".join(f"Q={q}: {r}x" for q, r in ratio.items()))
+        lines.append(f"{'method':<26}{'fwd/image':>10}{'calls':>7}{'acc.len':>9}{'img/s':>9}{'speed-up':>10}  lossless")
+        for name, r in e["methods"].items():
+            lines.append(f"{name:<26}{r['forwards_per_image']:>10.2f}{r['batch_forwards']:>7.0f}{r['mean_accepted_length']:>9.2f}"
+                         f"{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x  {'yes' if r['lossless'] else 'no'}")
+    if "judge" in report:
+        lines.append("\njudge (class accuracy, Frechet):")
+        for name, s in report["judge"].items():
+            lines.append(f"  {name:<26} accuracy {s['accuracy']:.3f}  frechet {s['frechet']:.3f}")
+    return "\n".join(lines)
+
+
+def save(report: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+DEMO_METHODS = ("plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal")
+
+
+def demo(model: str, out_dir: str, progress=lambda m: None, threads: int = 2) -> str:
+    """The image section of `mmspec demo`: one timed round of plain vs speculative decoding (exact
+    with each drafter, LANTERN, GSD) at batch 1 and 8 on the same labels and seeds, and a grid PNG
+    (one row per method, same seed) in `out_dir`. Returns the table text."""
+    from PIL import Image, ImageDraw
+
+    has_model = _drafter_model_of(load_pipeline(model)) is not None
+    methods = tuple(m for m in DEMO_METHODS if has_model or METHODS[m][0] != "model")
+    cfg = ImageBenchConfig(model=model, images=8, repeats=1, methods=methods, threads=threads)
+    report = run(cfg, progress)
+    pipe = load_pipeline(model)
+    gpt_drafter = _drafter_model_of(pipe)
+    scale = report["config"]["guidance_scale"]
+    labels = [i % pipe.num_classes for i in range(8)]
+    rows = []
+    for m in methods:
+        kind, coupling, acceptance = METHODS[m]
+        _set_drafter(pipe, gpt_drafter, kind, coupling, cfg.per_batch("draft_tokens", 1), cfg.per_batch("window", 1))
+        out = pipe(labels, guidance_scale=scale, acceptance=acceptance, speculative=kind != "plain",
+                   generator=torch.Generator().manual_seed(cfg.seed))
+        rows.append((m, out.images))
+    w, h = rows[0][1][0].size
+    s, pad = 2, 170
+    sheet = Image.new("RGB", (pad + len(labels) * w * s, len(rows) * h * s), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for r, (m, images) in enumerate(rows):
+        draw.text((4, r * h * s + h * s // 2 - 6), m, fill=(0, 0, 0))
+        for c, img in enumerate(images):
+            sheet.paste(img.resize((w * s, h * s), Image.NEAREST), (pad + c * w * s, r * h * s))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    grid = Path(out_dir) / "imagegen_methods.png"
+    sheet.save(grid)
+    save(report, str(Path(out_dir) / "imagegen_demo.json"))
+    return format_table(report) + f"\n\nsame seed, one row per method: {grid}"
+
+
+def _drafter_model_of(pipe):
+    from mmspec.models.llamagen_gpt import LlamaGenGPT
+
+    return pipe.drafter if isinstance(pipe.drafter, LlamaGenGPT) else None

@@ -1,0 +1,380 @@
+"""`SpeculativeARImagePipeline`: class-conditional autoregressive image generation (LlamaGen c2i GPT
++ VQ decoder) with speculative decoding, as a diffusers `DiffusionPipeline`.
+
+What: `pipe(class_labels, guidance_scale=4.0, acceptance="exact")` samples the image tokens of
+each label with `mmspec.speculative_generate` over the GPT's forward spec
+(`mmspec.models.llamagen_spec`: CFG through `GuidedTarget` with the null class, constant or
+linear schedule) and decodes them with the VQ. Registered components: `target` (`LlamaGenGPT`),
+`vq` (`LlamaGenVQModel`) and `drafter`: a small `LlamaGenGPT` (drafts chains, or trees with
+`drafter_config["tree"]`, under the same guidance: `GuidedModelDrafter`; a drafter GPT without
+a null class drafts unguided, which stays exact but is accepted less often), a `JacobiDrafter`
+(self-drafting, SJD / coupled drafts; no extra model) or None (Jacobi with the saved settings).
+`pipe.drafter = JacobiDrafter(...)` swaps drafters like a diffusers scheduler; the settings are
+saved with the pipeline (`drafter_config`). `speculative=False` decodes one token per forward
+through the same target code (`NullDrafter`), which is the baseline every speed-up is
+measured against. `acceptance` takes any rule name or object; named rules that need tables
+get them from the pipeline (LANTERN: the VQ codebook, `k` capped at the codebook size; GSD: the
+GPT's token embeddings). Sources: LlamaGen (Sun et al. 2024, github.com/FoundationVision/
+LlamaGen, `autoregressive/sample/sample_c2i.py`) for the sampling setup; diffusers'
+`DiffusionPipeline` conventions for the interface (`callback_on_step_end`, `output_type`,
+`return_dict`, progress bar).
+
+`from_pretrained` reads a folder saved by `save_pretrained` and the testbed layout (`target/`,
+`vq/` in `LlamaGenVQ`'s format, optional `drafter/`, no model_index.json), strictly: a folder of
+another pipeline class or a target that is not a LlamaGen GPT is refused (ValueError).
+
+Limits: class-conditional only; images are square (the GPT's 2-D RoPE grid must equal the VQ's
+token grid); a generation stopped by `callback_on_step_end` returns the tokens decoded so far
+(`tokens` padded with -1, `interrupted=True`, images only for complete rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline, ModelMixin
+from diffusers.utils import BaseOutput
+
+import mmspec
+from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
+from mmspec.models.llamagen_gpt import LlamaGenGPT
+from mmspec.models.llamagen_sample import CFG_SCHEDULES
+from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
+from mmspec.models.llamagen_vq_model import LlamaGenVQModel
+from mmspec.stats import SpecStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAFTER_CONFIG = {"kind": "model", "num_draft_tokens": 4, "tree": None, "window": 16,
+                          "coupling": "maximal", "init": "random"}
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+@dataclasses.dataclass
+class ARImageStats(SpecStats):
+    """`SpecStats` of the run plus per-image figures."""
+
+    images: int = 0
+    target_forwards_per_image: float = 0.0  # forwards each image took part in (prefill included), mean
+    drafter: str = ""
+    interrupted: bool = False
+
+
+@dataclasses.dataclass
+class ARImagePipelineOutput(BaseOutput):
+    images: Any  # list of PIL images, np.ndarray [B, H, W, 3] or torch [B, 3, H, W] in [0, 1]; None for "latent"
+    tokens: torch.Tensor  # [B, T] image tokens in raster order (-1: not decoded, interrupted runs only)
+    stats: ARImageStats
+    interrupted: bool = False
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _Watch:
+    """Wraps the target: counts emitted image tokens per step (progress bar) and, with a
+    callback, records them and lets the callback stop the run."""
+
+    def __init__(self, target, batch: int, num_tokens: int, on_step: Callable | None, progress):
+        self.target = target
+        self.vocab_size = target.vocab_size
+        self.supports_features = getattr(target, "supports_features", False)
+        self.T = num_tokens
+        self.count = [0] * batch
+        self.rows = list(range(batch))
+        self.tokens = torch.full((batch, num_tokens), -1, dtype=torch.long)
+        self.on_step = on_step
+        self.progress = progress
+        self.steps = 0
+
+    def acceptance_tables(self):
+        provide = getattr(self.target, "acceptance_tables", None)
+        return provide() if callable(provide) else {}
+
+    def prefill(self, *args, **kw):
+        return self.target.prefill(*args, **kw)
+
+    def verify(self, tokens, parents):
+        if self.steps == 0 and self.on_step is not None:
+            for r, t in zip(self.rows, tokens[:, 0].tolist()):
+                self.tokens[r, 0] = t
+        if self.steps == 0:
+            self.count = [1] * len(self.count)
+            self.progress.update(len(self.count))
+        return self.target.verify(tokens, parents)
+
+    def commit(self, info):
+        self.target.commit(info)
+        self.steps += 1
+        n = info.num_accepted_list
+        acc = info.accepted_tokens.tolist() if self.on_step is not None else None
+        nxt = info.next_tokens.tolist() if self.on_step is not None else None
+        done = 0
+        for i, r in enumerate(self.rows):
+            emitted = (acc[i][: n[i]] + [nxt[i]]) if acc is not None else None
+            take = min(n[i] + 1, self.T - self.count[r])
+            if emitted is not None and take > 0:
+                self.tokens[r, self.count[r]: self.count[r] + take] = torch.tensor(emitted[:take])
+            self.count[r] += max(take, 0)
+            done += max(take, 0)
+        self.progress.update(done)
+        if self.on_step is not None and self.on_step(self.steps, self.tokens, list(self.count)):
+            raise _Interrupted
+
+    def select_rows(self, rows, rows_host):
+        self.target.select_rows(rows, rows_host)
+        self.rows = [self.rows[i] for i in rows_host]
+
+
+class SpeculativeARImagePipeline(DiffusionPipeline):
+    """LlamaGen c2i image generation with speculative decoding (see module docstring)."""
+
+    _optional_components = ["drafter"]
+    model_cpu_offload_seq = "target->vq"
+
+    def __init__(self, target: LlamaGenGPT, vq: LlamaGenVQModel, drafter=None, drafter_config: dict | None = None):
+        super().__init__()
+        settings = {**DEFAULT_DRAFTER_CONFIG, **(drafter_config or {})}
+        if not isinstance(target, LlamaGenGPT):
+            raise ValueError(f"target must be a LlamaGenGPT, got {type(target).__name__}")
+        if not isinstance(vq, LlamaGenVQModel):
+            raise ValueError(f"vq must be a LlamaGenVQModel (wrap a LlamaGenVQ with LlamaGenVQModel.from_vq), got "
+                             f"{type(vq).__name__}")
+        if drafter is None and settings["kind"] == "jacobi":
+            drafter = JacobiDrafter(settings["window"], settings["coupling"], settings["init"])
+        self.register_modules(target=target, vq=vq, drafter=drafter)
+        self.register_to_config(drafter_config=settings)
+        self.check_components()
+
+    # ---- components ---------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return self.target.args.block_size
+
+    @property
+    def num_classes(self) -> int:
+        return self.target.args.num_classes
+
+    def check_components(self) -> None:
+        """Codebook and grid agreement of target, VQ and drafter (ValueError naming the mismatch)."""
+        V = self.target.args.vocab_size
+        if self.vq.codebook_size != V:
+            raise ValueError(f"codebook mismatch: the VQ has {self.vq.codebook_size} codes but the target GPT predicts "
+                             f"vocab_size={V} image tokens")
+        if self.vq.token_grid ** 2 != self.num_tokens:
+            raise ValueError(f"grid mismatch: the VQ decodes {self.vq.token_grid}x{self.vq.token_grid} tokens but the "
+                             f"target GPT generates block_size={self.num_tokens}")
+        d = self.drafter
+        if isinstance(d, LlamaGenGPT):
+            if d.args.vocab_size != V:
+                raise ValueError(f"drafter/target codebook mismatch: the drafter GPT predicts {d.args.vocab_size} "
+                                 f"tokens, the target {V}")
+            if d.args.num_classes != self.num_classes:
+                raise ValueError(f"drafter/target class mismatch: drafter {d.args.num_classes} classes, target "
+                                 f"{self.num_classes}")
+        elif isinstance(d, JacobiDrafter) and d.vocab_size not in (None, V):
+            raise ValueError(f"drafter/target codebook mismatch: JacobiDrafter(vocab_size={d.vocab_size}), target {V}")
+        elif d is not None and not isinstance(d, JacobiDrafter):
+            if not all(hasattr(d, n) for n in ("prefill", "propose", "commit", "select_rows", "vocab_size")):
+                raise ValueError(f"drafter must be a LlamaGenGPT, a JacobiDrafter or an mmspec Drafter, got "
+                                 f"{type(d).__name__}")
+            if d.vocab_size != V:
+                raise ValueError(f"drafter/target codebook mismatch: drafter vocab_size={d.vocab_size}, target {V}")
+
+    def _drafter_for(self, speculative: bool, schedule, guided: bool):
+        V = self.target.args.vocab_size
+        if not speculative:
+            return NullDrafter(V), "plain"
+        d = self.drafter
+        settings = self.config.drafter_config
+        if d is None:
+            d = JacobiDrafter(settings["window"], settings["coupling"], settings["init"])
+        if isinstance(d, JacobiDrafter):
+            if d.vocab_size is None:
+                d.vocab_size = V
+            return d, repr(d)
+        if isinstance(d, LlamaGenGPT):
+            tree = mmspec.TreeConfig(**settings["tree"]) if settings.get("tree") else None
+            K = int(settings["num_draft_tokens"])
+            if guided and d.args.has_null_class:
+                return (GuidedModelDrafter(LlamaGenSpec(d), schedule, K, tree, make_uncond=null_class_uncond(d.args.num_classes)),
+                        f"GuidedModelDrafter(K={K}, tree={tree})")
+            drafter = ModelDrafter(LlamaGenSpec(d), tree=tree) if tree else ModelDrafter(LlamaGenSpec(d), K)
+            return drafter, f"ModelDrafter(K={K}, tree={tree})"
+        return d, type(d).__name__
+
+    # ---- save / load ----------------------------------------------------------------------------
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple
+
+        settings = dict(self.config.drafter_config)
+        d = self.drafter
+        if isinstance(d, JacobiDrafter):
+            settings.update(kind="jacobi", window=d.window, coupling=d.coupling, init=d.init)
+        elif isinstance(d, LlamaGenGPT):
+            settings["kind"] = "model"
+        elif d is not None:
+            logger.warning("drafter %s cannot be saved; the saved pipeline drafts with JacobiDrafter", type(d).__name__)
+            settings["kind"] = "jacobi"
+        self.register_to_config(drafter_config=settings)
+        self.register_to_config(drafter=_fetch_class_library_tuple(d) if isinstance(d, ModelMixin) else (None, None))
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        path = Path(pretrained_model_name_or_path)
+        if not path.is_dir():
+            raise ValueError(f"{path}: not a pipeline folder (mmspec loads local folders only)")
+        index = path / "model_index.json"
+        if not index.is_file():
+            return cls._from_testbed_layout(path, **kwargs)
+        name = json.loads(index.read_text()).get("_class_name")
+        if name != cls.__name__:
+            raise ValueError(f"{path} holds a {name} pipeline, not a {cls.__name__}")
+        for component in ("target", "vq"):
+            _check_component_class(path / component, component)
+        pipe = super().from_pretrained(str(path), **kwargs)
+        pipe.check_components()
+        return pipe
+
+    @classmethod
+    def _from_testbed_layout(cls, path: Path, **kwargs):
+        """target/ (LlamaGenGPT), vq/ (LlamaGenVQ or LlamaGenVQModel), optional drafter/ (LlamaGenGPT)."""
+        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        if not (path / "target").is_dir() or not (path / "vq").is_dir():
+            raise ValueError(f"{path}: neither a saved pipeline (model_index.json) nor the testbed layout "
+                             "(target/ and vq/ folders)")
+        _check_component_class(path / "target", "target")
+        load = {} if dtype is None else {"dtype": dtype}
+        target = LlamaGenGPT.from_pretrained(str(path / "target"), **load).eval()
+        vq = LlamaGenVQModel.from_pretrained(str(path / "vq"), **load).eval()
+        drafter = None
+        if (path / "drafter").is_dir():
+            _check_component_class(path / "drafter", "drafter")
+            drafter = LlamaGenGPT.from_pretrained(str(path / "drafter"), **load).eval()
+        settings = {}
+        if (path / "drafter_config.json").is_file():
+            settings = json.loads((path / "drafter_config.json").read_text())
+        elif drafter is None:
+            settings = {"kind": "jacobi"}
+        return cls(target=target, vq=vq, drafter=drafter, drafter_config=settings)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _labels(self, class_labels) -> torch.Tensor:
+        if isinstance(class_labels, int) and not isinstance(class_labels, bool):
+            class_labels = [class_labels]
+        if isinstance(class_labels, torch.Tensor):
+            class_labels = class_labels.flatten().tolist()
+        if not isinstance(class_labels, (list, tuple)) or not class_labels or not all(
+            isinstance(c, int) and not isinstance(c, bool) for c in class_labels
+        ):
+            raise ValueError(f"class_labels must be an int or a non-empty list of ints, got {class_labels!r}")
+        bad = [c for c in class_labels if not 0 <= c < self.num_classes]
+        if bad:
+            raise ValueError(f"unknown class id(s) {bad}: this model has classes 0..{self.num_classes - 1}")
+        return torch.tensor(class_labels, dtype=torch.long)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        class_labels,
+        *,
+        num_images_per_prompt: int = 1,
+        guidance_scale: float = 4.0,
+        cfg_schedule: str = "constant",
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        acceptance: Any = "exact",
+        acceptance_kwargs: dict | None = None,
+        speculative: bool = True,
+        generator: torch.Generator | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        callback_on_step_end: Callable | None = None,
+    ):
+        """Generate `num_images_per_prompt` images per class label. `callback_on_step_end(pipe,
+        step, tokens_done, {"tokens": [B, T] (-1 = not yet), "num_tokens": [B]})` runs after every
+        target forward; it stops the run by returning {"stop": True} or setting `pipe._interrupt`."""
+        labels = self._labels(class_labels)
+        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r}: must be one of {OUTPUT_TYPES}")
+        if cfg_schedule not in CFG_SCHEDULES:
+            raise ValueError(f"cfg_schedule={cfg_schedule!r}: must be one of {CFG_SCHEDULES}")
+        V, T = self.target.args.vocab_size, self.num_tokens
+        if top_k is not None and (not isinstance(top_k, int) or top_k > V):
+            raise ValueError(f"top_k={top_k!r} exceeds the codebook size {V} (or is not an int)")
+        self.check_components()
+        labels = labels.repeat_interleave(num_images_per_prompt).to(self.target.device)
+        B = labels.shape[0]
+        guided = float(guidance_scale) != 1.0
+        target = llamagen_target(self.target, guidance_scale, cfg_schedule=cfg_schedule, num_tokens=T,
+                                 codebook=self.vq.codebook().detach())
+        schedule = cfg_schedule_fn(cfg_schedule, guidance_scale, T)
+        drafter, drafter_name = self._drafter_for(speculative, schedule, guided)
+        kwargs = dict(acceptance_kwargs or {}) if isinstance(acceptance, str) else None
+        if acceptance == "lantern" and "k" not in kwargs:
+            kwargs["k"] = min(1000, V - 1)  # LANTERN's default neighbourhood, capped by the codebook
+        if not speculative:
+            acceptance, kwargs = "exact", None
+        self._interrupt = False
+
+        def on_step(step, tokens, counts):
+            out = callback_on_step_end(self, step, sum(counts), {"tokens": tokens.clone(), "num_tokens": counts})
+            return bool(self._interrupt or (isinstance(out, dict) and out.get("stop")))
+
+        with self.progress_bar(total=B * T) as bar:
+            watch = _Watch(target, B, T, on_step if callback_on_step_end is not None else None, bar)
+            try:
+                out = mmspec.speculative_generate(
+                    watch, drafter, labels.view(B, 1), acceptance=acceptance, acceptance_kwargs=kwargs or None,
+                    max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                )
+                tokens, stats, interrupted = out.sequences[:, 1:].cpu(), out.stats, False
+            except _Interrupted:
+                tokens, interrupted = watch.tokens, True
+                stats = SpecStats(target_calls=watch.steps, prefill_calls=1, new_tokens=list(watch.count))
+        row_steps = stats.row_steps if not interrupted else watch.steps * B
+        info = ARImageStats(**dataclasses.asdict(stats), images=B, target_forwards_per_image=(row_steps + B) / B,
+                            drafter=drafter_name, interrupted=interrupted)
+        images = None if output_type == "latent" else self._decode(tokens, output_type)
+        if not return_dict:
+            return images, tokens, info
+        return ARImagePipelineOutput(images=images, tokens=tokens, stats=info, interrupted=interrupted)
+
+    def _decode(self, tokens: torch.Tensor, output_type: str):
+        g = self.vq.token_grid
+        complete = (tokens >= 0).all(1)
+        pixels = torch.zeros(tokens.shape[0], 3, g * self.vq.vq_config.downsample, g * self.vq.vq_config.downsample)
+        if bool(complete.any()):
+            codes = tokens[complete].view(-1, g, g).to(self.vq.device)
+            pixels[complete] = self.vq.decode(codes).float().cpu()
+        pixels = ((pixels + 1) / 2).clamp(0, 1)
+        if output_type == "pt":
+            return pixels if bool(complete.all()) else [p if c else None for p, c in zip(pixels, complete.tolist())]
+        arr = pixels.permute(0, 2, 3, 1).numpy()
+        if output_type == "np":
+            return arr if bool(complete.all()) else [a if c else None for a, c in zip(arr, complete.tolist())]
+        pil = self.numpy_to_pil(arr)
+        return [p if c else None for p, c in zip(pil, complete.tolist())]
+
+
+def _check_component_class(folder: Path, name: str) -> None:
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{folder}: no config.json for component {name!r}")
+    cls_name = json.loads(config.read_text()).get("_class_name")
+    if name in ("target", "drafter") and cls_name != "LlamaGenGPT":
+        raise ValueError(f"{folder}: component {name!r} is a {cls_name or 'non-diffusers'} checkpoint, not a "
+                         "LlamaGenGPT (checkpoint of another architecture)")
+    if name == "vq" and cls_name not in (None, "LlamaGenVQModel"):
+        raise ValueError(f"{folder}: component 'vq' is a {cls_name} checkpoint, not a LlamaGen VQ")

@@ -1,0 +1,175 @@
+"""`SpeculativeARImagePipeline` on tiny random LlamaGen GPTs and a tiny VQ: greedy tokens equal
+the plain sampler's for every drafter (with CFG), `speculative=False` reproduces the plain
+sampler for a seed, save_pretrained -> from_pretrained gives bit-identical images, the testbed
+folder layout loads, drafters swap, bad input is refused by name, a callback stops a run and
+gets what was decoded so far."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mmspec.drafters import JacobiDrafter, ModelDrafter
+from mmspec.models.llamagen_sample import generate_plain
+from mmspec.models.llamagen_spec import LlamaGenSpec
+from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig
+from mmspec.models.llamagen_vq_model import LlamaGenVQModel
+from mmspec.pipelines import SpeculativeARImagePipeline
+
+from _llamagen_helpers import LABELS, noisy_gpt, plain_greedy, tiny_gpt
+
+VQ_CFG = VQConfig(codebook_size=24, codebook_embed_dim=4, ch=32, ch_mult=(1, 1), z_channels=32, num_res_blocks=1,
+                  image_size=8)  # 8x8 pixels, 4x4 = 16 tokens (the tiny GPT's block size)
+
+
+def tiny_vq(dtype=torch.float64) -> LlamaGenVQModel:
+    torch.manual_seed(0)
+    return LlamaGenVQModel.from_vq(LlamaGenVQ(VQ_CFG).eval()).to(dtype)
+
+
+def make_pipe(dtype=torch.float64, drafter="model") -> SpeculativeARImagePipeline:
+    target = tiny_gpt(0, dtype=dtype)
+    d = noisy_gpt(target, 0.3) if drafter == "model" else drafter
+    pipe = SpeculativeARImagePipeline(target=target, vq=tiny_vq(dtype), drafter=d)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("drafter", ["model", "jacobi-maximal", "jacobi-none", "plain"])
+@pytest.mark.parametrize("cfg", [(1.0, "constant"), (3.0, "constant"), (4.0, "linear")], ids=["nocfg", "cfg", "linear"])
+def test_greedy_tokens_equal_plain_sampler(drafter, cfg):
+    scale, schedule = cfg
+    pipe = make_pipe()
+    if drafter.startswith("jacobi"):
+        pipe.drafter = JacobiDrafter(6, None if drafter.endswith("none") else "maximal")
+    out = pipe(LABELS.tolist(), guidance_scale=scale, cfg_schedule=schedule, temperature=0, output_type="latent",
+               speculative=drafter != "plain", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out.tokens, plain_greedy(pipe.target, scale=scale, schedule=schedule))
+    assert out.images is None and out.stats.images == 4
+    if drafter == "plain":
+        assert out.stats.target_forwards_per_image == 16.0  # one forward per image token
+    elif drafter == "model":
+        assert out.stats.target_forwards_per_image < 16.0
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+def test_plain_decoding_reproduces_the_plain_sampler_for_a_seed(schedule):
+    pipe = make_pipe()
+    out = pipe([2, 0, 2], num_images_per_prompt=2, guidance_scale=2.5, cfg_schedule=schedule, speculative=False,
+               generator=torch.Generator().manual_seed(5), output_type="latent")
+    ref = generate_plain(pipe.target, torch.tensor([2, 2, 0, 0, 2, 2]), cfg_scale=2.5, cfg_schedule=schedule,
+                         generator=torch.Generator().manual_seed(5))
+    assert torch.equal(out.tokens, ref)
+
+
+@pytest.mark.parametrize("drafter", ["model", "jacobi"])
+def test_save_load_round_trip_gives_bit_identical_images(tmp_path, drafter):
+    pipe = make_pipe(torch.float32)
+    if drafter == "jacobi":
+        pipe.drafter = JacobiDrafter(5, "gumbel", init="last")
+    kw = dict(guidance_scale=3.0, output_type="np")
+    first = pipe([1, 4], generator=torch.Generator().manual_seed(3), **kw)
+    pipe.save_pretrained(tmp_path / "p")
+    index = json.loads((tmp_path / "p" / "model_index.json").read_text())
+    assert index["drafter_config"]["kind"] == ("jacobi" if drafter == "jacobi" else "model")
+    loaded = SpeculativeARImagePipeline.from_pretrained(tmp_path / "p")
+    loaded.set_progress_bar_config(disable=True)
+    assert type(loaded.drafter) is type(pipe.drafter)
+    if drafter == "jacobi":
+        assert (loaded.drafter.window, loaded.drafter.coupling, loaded.drafter.init) == (5, "gumbel", "last")
+    second = loaded([1, 4], generator=torch.Generator().manual_seed(3), **kw)
+    assert np.array_equal(first.images, second.images) and torch.equal(first.tokens, second.tokens)
+    third = pipe([1, 4], generator=torch.Generator().manual_seed(4), **kw)
+    assert not torch.equal(first.tokens, third.tokens)  # the seed matters: the comparison can fail
+
+
+def test_testbed_layout_loads(tmp_path):
+    target = tiny_gpt(0, dtype=torch.float32)
+    target.save_pretrained(tmp_path / "target")
+    noisy_gpt(target, 0.3).save_pretrained(tmp_path / "drafter")
+    vq = LlamaGenVQ(VQ_CFG).eval()
+    vq.save_pretrained(tmp_path / "vq", dtype=torch.float32)  # LlamaGenVQ's own folder format
+    pipe = SpeculativeARImagePipeline.from_pretrained(tmp_path)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe([0, 1], temperature=0, guidance_scale=2.0, output_type="pt")
+    assert torch.equal(out.tokens, generate_plain(target, torch.tensor([0, 1]), cfg_scale=2.0, temperature=0))
+    assert out.images.shape == (2, 3, 8, 8) and float(out.images.min()) >= 0 and float(out.images.max()) <= 1
+    codes = out.tokens.view(2, 4, 4)
+    assert torch.allclose(out.images, (vq.decode(codes) + 1) / 2)
+    assert "ModelDrafter" in out.stats.drafter
+
+
+def test_pil_output_and_relaxed_rules():
+    pipe = make_pipe(torch.float32)
+    for rule in ("lantern", "gsd"):  # tables (VQ codebook, token embeddings) come from the pipeline
+        out = pipe([0, 1], acceptance=rule, generator=torch.Generator().manual_seed(0))
+        assert len(out.images) == 2 and out.images[0].size == (8, 8) and not out.stats.lossless
+    images, tokens, stats = pipe(3, return_dict=False, generator=torch.Generator().manual_seed(0))
+    assert len(images) == 1 and tokens.shape == (1, 16) and stats.images == 1
+
+
+def test_bad_input_is_refused_by_name(tmp_path):
+    pipe = make_pipe(torch.float32)
+    with pytest.raises(ValueError, match="unknown class id"):
+        pipe([0, 7])
+    with pytest.raises(ValueError, match="top_k"):
+        pipe([0], top_k=25)
+    with pytest.raises(ValueError, match="output_type"):
+        pipe([0], output_type="jpeg")
+    no_null = SpeculativeARImagePipeline(target=tiny_gpt(0, null_class=False, dtype=torch.float32), vq=tiny_vq(torch.float32))
+    with pytest.raises(ValueError, match="no unconditional branch"):
+        no_null([0], guidance_scale=4.0)
+    with pytest.raises(ValueError, match="codebook mismatch"):
+        SpeculativeARImagePipeline(target=pipe.target, vq=tiny_vq(torch.float32), drafter=tiny_gpt(1, vocab=30))
+    with pytest.raises(ValueError, match="codebook mismatch"):
+        SpeculativeARImagePipeline(target=tiny_gpt(0, vocab=30), vq=tiny_vq(torch.float32))
+    pipe.drafter = JacobiDrafter(4, vocab_size=30)
+    with pytest.raises(ValueError, match="codebook mismatch"):
+        pipe([0])
+    # A checkpoint of another architecture where the target should be.
+    pipe.drafter = None
+    pipe.save_pretrained(tmp_path / "p")
+    tiny_vq(torch.float32).save_pretrained(tmp_path / "p" / "target")
+    with pytest.raises(ValueError, match="another architecture"):
+        SpeculativeARImagePipeline.from_pretrained(tmp_path / "p")
+    index = json.loads((tmp_path / "p" / "model_index.json").read_text())
+    index["_class_name"] = "StableDiffusionPipeline"
+    (tmp_path / "p" / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="StableDiffusionPipeline"):
+        SpeculativeARImagePipeline.from_pretrained(tmp_path / "p")
+
+
+def test_callback_stops_and_returns_what_was_decoded():
+    pipe = make_pipe()
+    seen = []
+
+    def stop_after_three(p, step, done, kwargs):
+        seen.append((step, done, kwargs["num_tokens"]))
+        if step == 3:
+            p._interrupt = True
+        return kwargs
+
+    out = pipe(LABELS.tolist(), guidance_scale=3.0, temperature=0, output_type="pil", callback_on_step_end=stop_after_three)
+    assert out.interrupted and out.stats.interrupted and [s for s, _, _ in seen] == [1, 2, 3]
+    full = plain_greedy(pipe.target, scale=3.0)
+    counts = seen[-1][2]
+    for b in range(4):  # decoded tokens are a correct prefix, the rest is flagged with -1
+        assert torch.equal(out.tokens[b, : counts[b]], full[b, : counts[b]])
+        assert bool((out.tokens[b, counts[b]:] == -1).all())
+    assert 4 < sum(counts) < 64 and all(img is None for img in out.images)
+    # A callback returning {"stop": True} stops too.
+    out = pipe([0], temperature=0, guidance_scale=3.0, output_type="latent",
+               callback_on_step_end=lambda p, s, d, kw: {"stop": s >= 2})
+    assert out.interrupted and out.stats.target_calls == 2
+
+
+def test_drafter_object_swap_and_plain_model_drafter():
+    """Any mmspec Drafter can be set; an unguided ModelDrafter under CFG is still exact (greedy equal)."""
+    pipe = make_pipe()
+    pipe.drafter = ModelDrafter(LlamaGenSpec(noisy_gpt(pipe.target, 0.3)), 3)
+    out = pipe(LABELS.tolist(), guidance_scale=3.0, temperature=0, output_type="latent")
+    assert torch.equal(out.tokens, plain_greedy(pipe.target, scale=3.0))
+    assert out.stats.drafter == "ModelDrafter"

@@ -1,0 +1,67 @@
+"""`mmspec generate` and `mmspec bench imagegen --smoke` on a tiny pipeline folder: PNGs, the
+side-by-side comparison, the JSON summary (greedy speculative tokens equal plain ones), and a
+refused bad class id."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from mmspec.cli import main
+
+from test_ar_image_pipeline import make_pipe
+
+
+@pytest.fixture
+def folder(tmp_path):
+    pipe = make_pipe(torch.float32)
+    pipe.save_pretrained(tmp_path / "gen")
+    return tmp_path / "gen"
+
+
+def test_generate_compare_json(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    main(["generate", "--model", str(folder), "--class", "1", "3", "--num-images", "2", "--temperature", "0",
+          "--guidance-scale", "3", "--compare", "--json", "--out", str(out)])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["images"] == 4 and summary["same_tokens_as_plain"] is True  # greedy: lossless
+    assert summary["plain_target_forwards_per_image"] == 16.0 and summary["speedup"] > 0
+    for name in summary["files"]:
+        assert Image.open(out / name).size == (8, 8) and (out / ("plain_" + name)).is_file()
+    assert Image.open(out / "compare.png").size == (2 * 16 + 4, 4 * 16)
+    assert json.loads((out / "summary.json").read_text())["files"] == summary["files"]
+
+
+def test_generate_jacobi_and_bad_class(folder, tmp_path, capsys):
+    main(["generate", "--model", str(folder), "--class", "2", "--drafter", "jacobi", "--acceptance", "gsd",
+          "--out", str(tmp_path / "j")])
+    assert "JacobiDrafter" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown class id"):
+        main(["generate", "--model", str(folder), "--class", "9", "--out", str(tmp_path / "bad")])
+    with pytest.raises(SystemExit, match="--model"):
+        main(["generate", "--model", str(tmp_path / "missing"), "--class", "1", "--out", str(tmp_path / "bad")])
+
+
+def test_bench_imagegen_smoke(folder, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    main(["bench", "imagegen", "--model", str(folder), "--smoke", "--threads", "1", "--json", str(path)])
+    report = json.loads(path.read_text())
+    rows = report["batches"][0]["methods"]
+    assert set(rows) >= {"plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal"}
+    assert rows["plain"]["forwards_per_image"] == 16.0 and rows["plain"]["speedup_vs_plain"] == 1.0
+    assert report["batches"][0]["verify_cost"]["ratio_to_one_token"]["1"] == 1.0
+    assert "speed-up" in capsys.readouterr().out
+
+
+def test_demo_image_section(folder, tmp_path):
+    from mmspec.bench.imagegen import DEMO_METHODS, demo
+
+    text = demo(str(folder), str(tmp_path / "demo"), threads=1)
+    grid = Image.open(tmp_path / "demo" / "imagegen_methods.png")
+    assert grid.size == (170 + 8 * 16, len(DEMO_METHODS) * 16)
+    report = json.loads((tmp_path / "demo" / "imagegen_demo.json").read_text())
+    assert [b["batch_size"] for b in report["batches"]] == [1, 8]
+    assert all(m in text for m in DEMO_METHODS)
