@@ -18,10 +18,9 @@ import torch
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from mmspec.drafters import EagleHeadConfig, EagleHeadDrafter, ModelDrafter, ViSpecDrafter
+from mmspec.drafters import EagleHeadConfig, EagleHeadDrafter, ModelDrafter, NullDrafter, ViSpecDrafter
 from mmspec.drafters.eagle_head import head_class
-from mmspec.tree import chain_parents
-from mmspec.types import Draft, TreeConfig
+from mmspec.types import TreeConfig
 
 KINDS = ("text", "eagle", "vispec")
 
@@ -78,7 +77,7 @@ class DrafterComponent(ModelMixin, ConfigMixin):
             if self.lm.config.get_text_config().vocab_size != target.vocab_size:
                 raise ValueError(f"text drafter vocabulary {self.lm.config.get_text_config().vocab_size} differs from "
                                  f"the target's {target.vocab_size}; it was trained for another target")
-            return ModelDrafter(self.lm.eval(), K, tree=tree)
+            return ModelDrafter(self.lm.eval(), tree=tree) if tree else ModelDrafter(self.lm.eval(), K)
         cls = ViSpecDrafter if self.config.kind == "vispec" else EagleHeadDrafter
         return cls(target, self.head.eval(), K, tree=tree)
 
@@ -89,24 +88,6 @@ def _tree_fields(tree: TreeConfig | None) -> dict:
     return {"tree_depth": tree.depth, "tree_top_k": tree.top_k, "tree_num_nodes": tree.num_nodes}
 
 
-class PlainDecoding:
-    """A drafter that drafts nothing: every step verifies the root alone (plain decoding)."""
-
-    max_draft_nodes = 0
-    draft_calls = 0
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def prefill(self, input_ids, attention_mask, target_out, model_inputs, max_new_tokens) -> None:
-        pass
-
-    def propose(self, roots: torch.Tensor, sampling, generator) -> Draft:
-        B = roots.shape[0]
-        return Draft(tokens=roots.new_zeros(B, 0), parents=chain_parents(B, 0, roots.device))
-
-    def commit(self, info, target_out) -> None:
-        pass
-
-    def select_rows(self, rows, rows_host) -> None:
-        pass
+# Plain decoding through the same loop: the drafter that drafts nothing (shared with the
+# image pipeline).
+PlainDecoding = NullDrafter

@@ -10,13 +10,11 @@ ratio auto / best fixed; at batch 1 also transformers' assisted generation at it
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mmspec.bench.core import _prompts
+from mmspec.bench.core import _interleaved, _prompts
 from mmspec.bench.pair import PairConfig, build_pair, greedy_agreement
 
 # Perturbation knobs of the built pair and the greedy agreement they gave on our 2-core VM
@@ -41,17 +39,6 @@ class DraftLengthBench:
             raise ValueError(f"unknown pairs {unknown}; choose from {sorted(PAIRS)}")
         if self.repeats < 1 or self.max_new_tokens < 1:
             raise ValueError("repeats and max_new_tokens must be >= 1")
-
-
-def _timed(methods: dict, repeats: int):
-    outs = {name: fn() for name, fn in methods.items()}  # warm-up (the auto controller learns here too)
-    samples = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, fn in methods.items():
-            t0 = time.perf_counter()
-            outs[name] = fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in samples.items()}, outs
 
 
 def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
@@ -88,7 +75,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             if B == 1:  # transformers' assisted generation, as shipped (its default schedule)
                 methods["assisted"] = lambda: target.generate(**gen, assistant_model=drafter)
             progress(f"  batch {B}: {len(methods)} methods, interleaved, {config.repeats} rounds")
-            times, outs = _timed(methods, config.repeats)
+            times, outs = _interleaved(methods, config.repeats)  # the warm-up round also trains auto
             ref = outs["plain"]
             tps = {name: B * N / t for name, t in times.items()}
             fixed = {name: tps[name] for name in drafters if name != "auto"}
