@@ -50,7 +50,7 @@ class ImageGenTrainConfig:
     """Every field maps 1:1 to a CLI option of `mmspec testbed train-imagegen`."""
 
     seed: int = 0
-    threads: int = 2
+    threads: int = 1
     device: str = "cpu"
     # VQ: 64x64 -> 8x8 codes
     vq_steps: int = 1000
@@ -60,11 +60,11 @@ class ImageGenTrainConfig:
     n_val: int = 512
     backgrounds: tuple[str, ...] = GRID_BACKGROUNDS
     # target GPT
-    dim: int = 256
+    dim: int = 192
     n_layer: int = 4
     n_head: int = 4
-    steps: int = 1200
-    batch_size: int = 64
+    steps: int = 1000
+    batch_size: int = 32
     lr: float = 2e-3
     warmup: int = 60
     weight_decay: float = 0.05
@@ -73,7 +73,7 @@ class ImageGenTrainConfig:
     drafter_dim: int = 128
     drafter_layers: int = 1
     drafter_heads: int = 2
-    drafter_steps: int = 800
+    drafter_steps: int = 600
     # evaluation
     n_eval: int = 256
     guidance_scale: float = 3.0  # the default guidance; `eval` also compares `guidance_grid`
@@ -256,17 +256,19 @@ def stage_eval(cfg: ImageGenTrainConfig, out: Path, cache: Path, judge_dir: str)
     data = torch.load(cache / "data.pt", weights_only=True)
     real = data["validation"]["images"].float().div(127.5).sub(1.0)
     real_labels = data["validation"]["labels"][:real.shape[0]]
-    result = {"real_single_object": judge.score(real, real_labels),
-              "vq_reconstruction": judge.score(vq.decode(vq.encode(real)), real_labels)}
+    n_col = len(cfg.world_config().colours)
+    score = lambda px, lab: judge_breakdown(judge, px, lab, n_col)
+    result = {"real_single_object": score(real, real_labels),
+              "vq_reconstruction": score(vq.decode(vq.encode(real)), real_labels)}
     labels = torch.arange(cfg.n_eval) % target.args.num_classes
     grid = {}
     for scale in cfg.guidance_grid:  # selection run: its own seed, not the reported one
         _, pixels = sample_images(target, vq, labels, scale, cfg, seed=cfg.seed + 1000)
-        grid[str(scale)] = judge.score(pixels, labels)
+        grid[str(scale)] = score(pixels, labels)
     result["guidance_grid_selection_seed"] = grid
     tokens, pixels = sample_images(target, vq, labels, cfg.guidance_scale, cfg, seed=cfg.seed + 2000)
     result["default"] = {"guidance_scale": cfg.guidance_scale, "temperature": cfg.temperature, "top_k": cfg.top_k,
-                         "n": cfg.n_eval, **judge.score(pixels, labels)}
+                         "n": cfg.n_eval, **score(pixels, labels)}
     result["drafter_val_loss_vs_target"] = {}
     for which in ("target", "drafter"):
         if (out / which).is_dir():
@@ -276,6 +278,15 @@ def stage_eval(cfg: ImageGenTrainConfig, out: Path, cache: Path, judge_dir: str)
     contact_sheet(pixels[:128], labels[:128], real, real_labels, out / "contact_sheet.png")
     result["eval_wall_s"] = round(time.time() - t0, 1)
     return result
+
+
+@torch.no_grad()
+def judge_breakdown(judge, pixels: torch.Tensor, labels: torch.Tensor, n_colours: int) -> dict:
+    """Judge class accuracy, Frechet distance, and how often the judged colour / shape alone
+    match (class = shape * n_colours + colour, as in mmspec.testbed.world)."""
+    pred = torch.cat([judge(chunk)["class"].argmax(-1) for chunk in pixels.split(256)])
+    return {**judge.score(pixels, labels), "colour_accuracy": float((pred % n_colours == labels % n_colours).double().mean()),
+            "shape_accuracy": float((pred // n_colours == labels // n_colours).double().mean())}
 
 
 def contact_sheet(pixels: torch.Tensor, labels: torch.Tensor, real: torch.Tensor, real_labels: torch.Tensor,
