@@ -108,7 +108,9 @@ def cmd_generate(args) -> int:
     if args.drafter == "jacobi":
         pipe.drafter = JacobiDrafter(args.window, None if args.coupling == "none" else args.coupling)
     elif args.drafter == "model" and not isinstance(pipe.drafter, LlamaGenGPT):
-        raise SystemExit(f"mmspec generate: {model} has no drafter model; use --drafter jacobi")
+        if getattr(pipe, "drafter_model", None) is None:
+            raise SystemExit(f"mmspec generate: {model} has no drafter model; use --drafter jacobi")
+        pipe.drafter = pipe.drafter_model
     scale = args.guidance_scale if args.guidance_scale is not None else default_guidance(model)
     os.makedirs(args.out, exist_ok=True)
     call = dict(num_images_per_prompt=args.num_images, guidance_scale=scale, temperature=args.temperature,

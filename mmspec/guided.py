@@ -97,6 +97,11 @@ class GuidedTarget:
         result.uncond = half(slice(B, 2 * B))
         return result
 
+    def acceptance_tables(self) -> dict:
+        """The wrapped target's tables (VQ codebook, token embeddings) for rules named by string."""
+        provide = getattr(self.target, "acceptance_tables", None)
+        return provide() if callable(provide) else {}
+
     # ---- Target protocol ------------------------------------------------------------------------
     def prefill(
         self,

@@ -264,7 +264,15 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             settings = json.loads((path / "drafter_config.json").read_text())
         elif drafter is None:
             settings = {"kind": "jacobi"}
-        return cls(target=target, vq=vq, drafter=drafter, drafter_config=settings)
+        drafter_model = drafter
+        if settings.get("kind") == "jacobi" and drafter is not None:
+            # The folder's default drafter is Jacobi (the best one measured); its drafter GPT
+            # stays at hand for `pipe.drafter = pipe.drafter_model`.
+            full = {**DEFAULT_DRAFTER_CONFIG, **settings}
+            drafter = JacobiDrafter(full["window"], full["coupling"], full["init"])
+        pipe = cls(target=target, vq=vq, drafter=drafter, drafter_config=settings)
+        pipe.drafter_model = drafter_model
+        return pipe
 
     # ---- generation ----------------------------------------------------------------------------
     def _labels(self, class_labels) -> torch.Tensor:

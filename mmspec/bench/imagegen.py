@@ -306,4 +306,6 @@ def demo(model: str, out_dir: str, progress=lambda m: None, threads: int = 2) ->
 def _drafter_model_of(pipe):
     from mmspec.models.llamagen_gpt import LlamaGenGPT
 
-    return pipe.drafter if isinstance(pipe.drafter, LlamaGenGPT) else None
+    if isinstance(pipe.drafter, LlamaGenGPT):
+        return pipe.drafter
+    return getattr(pipe, "drafter_model", None)
