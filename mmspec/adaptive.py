@@ -75,7 +75,7 @@ class DraftLengthController:
         prior_weight: float = 2.0,
         decay: float = 0.9,
         warmup: tuple[int, ...] | None = None,
-        probe_every: int = 8,
+        probe_every: int = 16,
     ):
         if not isinstance(k_max, int) or k_max < 0:
             raise ValueError(f"k_max must be an int >= 0, got {k_max!r}")
