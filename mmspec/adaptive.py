@@ -34,33 +34,42 @@ from collections import defaultdict
 
 
 class _LinearCost:
-    """seconds ~ c0 + c1 * tokens, fitted by least squares; plus exact running means for
-    each observed key (which are preferred when present)."""
+    """seconds ~ c0 + c1 * tokens, a least-squares line kept as discounted running sums (O(1)
+    per step, no history kept); plus running means for each observed key, which are
+    preferred when present."""
 
     def __init__(self, decay: float):
         self.decay = decay
         self.means: dict = {}
-        self.points: list[tuple[float, float]] = []
+        self.sums = [0.0] * 5  # weight, sum x, sum y, sum xx, sum xy (discounted)
+        self._line: tuple[float, float] | None = None
 
     def observe(self, key, tokens: float, seconds: float) -> None:
         old = self.means.get(key)
         self.means[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        self.points.append((tokens, seconds))
-        if len(self.points) > 256:
-            self.points = self.points[-256:]
+        g = 0.99  # the line forgets slowly: it only fills in shapes not seen yet
+        w, sx, sy, sxx, sxy = (v * g for v in self.sums)
+        self.sums = [w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds]
+        self._line = None
+
+    def line(self) -> tuple[float, float] | None:
+        if self._line is None:
+            w, sx, sy, sxx, sxy = self.sums
+            if w <= 0:
+                return None
+            mx, my = sx / w, sy / w
+            var = sxx / w - mx * mx
+            slope = (sxy / w - mx * my) / var if var > 1e-12 else 0.0
+            self._line = (my, max(slope, 0.0), mx)  # more tokens never cost less
+        return self._line
 
     def estimate(self, key, tokens: float) -> float | None:
         if key in self.means:
             return self.means[key]
-        if not self.points:
+        line = self.line()
+        if line is None:
             return None
-        xs = [p[0] for p in self.points]
-        ys = [p[1] for p in self.points]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
-        slope = max(slope, 0.0)  # more tokens never cost less
+        my, slope, mx = line
         return max(my + slope * (tokens - mx), 0.0)
 
 
