@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = "assets/testbed/imagegen"
+# The bundled generator, found from the installed package (the repository root holds assets/),
+# so `mmspec demo` / `mmspec generate` work from any working directory.
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "imagegen")
 
 
 @dataclasses.dataclass(frozen=True)
