@@ -251,7 +251,7 @@ def tower_losses(model, heads, data, idx, device):
     lc = F.cross_entropy(count, data["count"][idx].to(device))
     acc = (patch.argmax(-1) == data["patches"][idx].to(device)).float().mean()
     exact = ((present > 0) == (data["present"][idx].to(device) > 0)).all(-1).float().mean()
-    return lp + lq + lc, {"patch": float(lp), "present": float(lq), "count": float(lc),
+    return lp + lq + lc, {"patch": float(lp.detach()), "present": float(lq.detach()), "count": float(lc.detach()),
                           "patch_acc": float(acc), "present_exact": float(exact)}
 
 
