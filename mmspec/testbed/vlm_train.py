@@ -48,6 +48,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmspec.testbed.world import COLOURS
+
 STAGES = ("data", "tower", "lm", "text", "eagle", "vispec", "eval")
 DRAFTERS = ("text", "eagle", "vispec")
 CAPTION_PROMPT = "what is in the image ?"
@@ -70,9 +72,9 @@ class VLMTrainConfig:
     patch_size: int = 10
     # vision tower + its pretraining
     tower_dim: int = 128
-    tower_layers: int = 3
+    tower_layers: int = 4
     tower_heads: int = 4
-    tower_steps: int = 1500
+    tower_steps: int = 4500
     tower_batch: int = 64
     tower_lr: float = 2e-3
     # language model
@@ -80,14 +82,14 @@ class VLMTrainConfig:
     lm_layers: int = 8
     lm_heads: int = 4
     lm_ffn: int = 384
-    lm_steps: int = 1500
+    lm_steps: int = 3000
     lm_batch: int = 32
     lm_lr: float = 2e-3
     warmup: int = 60
     caption_fraction: float = 0.5
     # drafters (pipelines.train_drafter)
-    drafter_images: int = 384
-    drafter_steps: int = 300
+    drafter_images: int = 512
+    drafter_steps: int = 500
     drafter_batch: int = 8
     drafter_lr: float = 1e-3
     answer_tokens: int = 40
@@ -249,10 +251,16 @@ def tower_losses(model, heads, data, idx, device):
     lp = F.cross_entropy(patch.flatten(0, 1), data["patches"][idx].flatten().to(device))
     lq = F.binary_cross_entropy_with_logits(present, data["present"][idx].to(device))
     lc = F.cross_entropy(count, data["count"][idx].to(device))
-    acc = (patch.argmax(-1) == data["patches"][idx].to(device)).float().mean()
+    truth, pred = data["patches"][idx].to(device), patch.argmax(-1)
+    acc = (pred == truth).float().mean()
     exact = ((present > 0) == (data["present"][idx].to(device) > 0)).all(-1).float().mean()
+    obj, nc = truth < present.shape[1], len(COLOURS)  # patches on an object; class = shape * nc + colour
     return lp + lq + lc, {"patch": float(lp.detach()), "present": float(lq.detach()), "count": float(lc.detach()),
-                          "patch_acc": float(acc), "present_exact": float(exact)}
+                          "patch_acc": float(acc), "present_exact": float(exact),
+                          "object_patch_colour_acc": float((pred[obj] % nc == truth[obj] % nc).float().sum())
+                          / max(int(obj.sum()), 1),
+                          "object_patch_shape_acc": float((pred[obj] // nc == truth[obj] // nc).float().sum())
+                          / max(int(obj.sum()), 1)}
 
 
 def lr_at(step: int, total: int, base: float, warmup: int) -> float:
