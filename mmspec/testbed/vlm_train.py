@@ -296,9 +296,9 @@ def stage_tower(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
-        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{parts['patch_acc']:.3f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{parts['patch_acc']:.3f}")
         if step % 25 == 0 or step == cfg.tower_steps - 1:
-            log["tower"].append({"step": step, "loss": float(loss), **parts})
+            log["tower"].append({"step": step, "loss": float(loss.detach()), **parts})
     tower.eval()
     with torch.no_grad():
         _, val_parts = tower_losses(model, heads, val, torch.arange(len(val["count"])), cfg.device)
@@ -405,9 +405,9 @@ def stage_lm(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
         if step % 25 == 0 or step == cfg.lm_steps - 1:
-            log["lm"].append({"step": step, "loss": float(loss)})
+            log["lm"].append({"step": step, "loss": float(loss.detach())})
     model.eval().cpu()
     pipe = SpeculativeVLMPipeline(model, processor, caption_prompt=CAPTION_PROMPT)
     if (work / "pipeline").exists():
