@@ -93,3 +93,31 @@ def test_controller_switches_back_on_when_acceptance_recovers():
     assert ctrl.history[-1] == 0 or ctrl.history[-2] == 0
     recovered = feed(ctrl, 1, 80, 0.95, flat_verify, 0.002, seed=1)
     assert sum(recovered) / len(recovered) >= 3
+
+
+def test_plain_step_shortcut_matches_the_rule_path(target):
+    """K = 0 steps skip the chain machinery for rules whose K = 0 verdict is "sample the
+    target". A subclass that overrides `verify_unchecked` (same maths) takes the general path:
+    both give the same tokens for the same seed, sampled and greedy, EOS included."""
+    from mmspec.acceptance import ExactAcceptance
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    class Slow(ExactAcceptance):
+        def verify_unchecked(self, *args, **kwargs):
+            return super().verify_unchecked(*args, **kwargs)
+
+    ids, mask = left_padded([9, 5, 7, 3])
+    for temperature in (0.0, 1.0):
+        outs = []
+        for rule in (ExactAcceptance(), Slow()):
+            outs.append(mmspec.speculative_generate(
+                target, NullDrafter(target.config.vocab_size), ids, mask, acceptance=rule,
+                temperature=temperature, max_new_tokens=30, eos_token_id=2, pad_token_id=0,
+                generator=torch.Generator().manual_seed(5)))
+        assert torch.equal(outs[0].sequences, outs[1].sequences)
+        assert outs[0].stats.new_tokens == outs[1].stats.new_tokens
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0,
+                          eos_token_id=2)
+    greedy = mmspec.speculative_generate(target, NullDrafter(target.config.vocab_size), ids, mask, temperature=0,
+                                         max_new_tokens=30, eos_token_id=2, pad_token_id=0)
+    assert torch.equal(greedy.sequences, ref)
