@@ -180,7 +180,7 @@ def sample_mar(
             raise ValueError("temperature must be > 0 for speculative sampling (a zero-variance Gaussian cannot be verified)")
         if not final_step_noise:
             raise ValueError("final_step_noise=False is plain sampling only: speculative verification needs a Gaussian last step")
-        if not isinstance(num_draft_steps, int) or num_draft_steps < 1:
+        if not isinstance(num_draft_steps, int) or isinstance(num_draft_steps, bool) or num_draft_steps < 1:
             raise ValueError(f"num_draft_steps must be an int >= 1, got {num_draft_steps!r}")
         if not 0.0 <= prefill_fraction <= 1.0:
             raise ValueError(f"prefill_fraction must be in [0, 1], got {prefill_fraction!r}")

@@ -25,7 +25,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
-from mmspec.models.mar import MARModel
+from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, sample_mar
 
 
@@ -83,6 +83,7 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"output_type must be 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         self.check_vae()
+        mar_schedule(self.transformer.seq_len, num_iter)  # validates num_iter before the progress bar is drawn
         if isinstance(acceptance, str):
             if acceptance not in CONTINUOUS_RULES:
                 raise ValueError(f"acceptance must be one of {sorted(CONTINUOUS_RULES)} or a ContinuousAcceptance, got {acceptance!r}")

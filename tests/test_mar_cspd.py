@@ -156,8 +156,9 @@ def test_bad_inputs_are_refused_naming_the_argument():
         sample_mar(m, ok, num_iter=4, drafter=m, temperature=0.0)
     with pytest.raises(ValueError, match="cfg_schedule"):
         sample_mar(m, ok, num_iter=4, cfg_schedule="cosine")
-    with pytest.raises(ValueError, match="num_draft_steps"):
-        sample_mar(m, ok, num_iter=4, drafter=m, num_draft_steps=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="num_draft_steps"):
+            sample_mar(m, ok, num_iter=4, drafter=m, num_draft_steps=bad)
     with pytest.raises(ValueError, match="final_step_noise"):
         sample_mar(m, ok, num_iter=4, drafter=m, final_step_noise=False)
 
@@ -209,8 +210,9 @@ def test_pipeline_refuses_bad_inputs():
         pipe([0], num_iter=2)
     with pytest.raises(ValueError, match="class_labels"):
         pipe([7], num_iter=2, speculative=False)
-    with pytest.raises(ValueError, match="num_iter"):
-        pipe([0], num_iter=0, speculative=False)
+    for bad in (0, -1, 17, 2.0, True):  # 16 tokens
+        with pytest.raises(ValueError, match="num_iter"):
+            pipe([0], num_iter=bad, speculative=False)
     with pytest.raises(ValueError, match="acceptance"):
         pipe([0], num_iter=2, speculative=False, acceptance="exact")
     with pytest.raises(ValueError, match="vae latent_channels"):
