@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_options(p, demo=False)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("generate", help="class-conditional images with speculative decoding (PNG out)")
-    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled assets/testbed/imagegen)")
+    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled assets/testbed/imagegen); "
+                   "a SpeculativeMARPipeline folder samples with CSpD")
     p.add_argument("--class", dest="class_", type=int, nargs="+", required=True, help="class id(s)")
     p.add_argument("--num-images", type=int, default=1, help="images per class")
     p.add_argument("--acceptance", default=None, help="rule name: exact (default), lantern, gsd, ...; MAR: continuous")
