@@ -9,7 +9,9 @@ through it. Sources: MAR (github.com/LTH14/mar), CSpD (arXiv 2411.11925).
 
 Save / load: `pipe.save_pretrained(dir)` writes the diffusers layout; load it with
 `SpeculativeMARPipeline.from_pretrained(dir)` (this class's loader: the components are
-mmspec classes, which diffusers' generic loader does not look up).
+mmspec classes, which diffusers' generic loader does not look up). Each component is loaded
+strictly: a folder holding another class, or weights that miss or add parameters, is a
+ValueError naming the component (diffusers alone would initialise missing weights at random).
 """
 
 from __future__ import annotations
