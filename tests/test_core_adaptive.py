@@ -121,3 +121,36 @@ def test_plain_step_shortcut_matches_the_rule_path(target):
     greedy = mmspec.speculative_generate(target, NullDrafter(target.config.vocab_size), ids, mask, temperature=0,
                                          max_new_tokens=30, eos_token_id=2, pad_token_id=0)
     assert torch.equal(greedy.sequences, ref)
+
+
+def test_unpadded_equal_length_plain_steps_run_mask_free_and_exact(target, good_drafter, monkeypatch):
+    """Rows of equal length without prompt padding take the mask-free K = 0 attention path
+    (`Attention.full`); greedy output still equals `generate`, alone and mixed with drafts."""
+    from mmspec.drafters.null_drafter import NullDrafter
+    from mmspec.ragged import RaggedKV
+
+    full = []
+    plan = RaggedKV.plan
+
+    def spy(self, *args, **kwargs):
+        att = plan(self, *args, **kwargs)
+        full.append(att.full)
+        return att
+
+    monkeypatch.setattr(RaggedKV, "plan", spy)
+    ids = torch.randint(3, target.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
+    ref = target.generate(input_ids=ids, do_sample=False, max_new_tokens=25, pad_token_id=0, eos_token_id=2)
+    for drafter in (NullDrafter(target.config.vocab_size), ModelDrafter(good_drafter)):
+        full.clear()
+        out = mmspec.speculative_generate(target, drafter, ids, temperature=0, max_new_tokens=25, eos_token_id=2,
+                                          pad_token_id=0)
+        assert torch.equal(out.sequences, ref)
+        assert any(full)
+    # one padded row: never mask-free
+    ids2, mask2 = left_padded([7, 5, 7])
+    full.clear()
+    out = mmspec.speculative_generate(target, NullDrafter(target.config.vocab_size), ids2, mask2, temperature=0,
+                                      max_new_tokens=10, pad_token_id=0)
+    ref2 = target.generate(input_ids=ids2, attention_mask=mask2, do_sample=False, max_new_tokens=10, pad_token_id=0,
+                           eos_token_id=None)
+    assert torch.equal(out.sequences, ref2) and not any(full)
