@@ -95,6 +95,20 @@ def test_controller_switches_back_on_when_acceptance_recovers():
     assert sum(recovered) / len(recovered) >= 3
 
 
+def test_controller_needs_a_margin_to_switch_speculation_on():
+    # Every draft accepted, but a draft token costs 0.009 s against a 0.0101 s verify: after
+    # the warm-up (acceptance estimate ~0.93, the prior still weighing) K = 1 beats plain
+    # decoding by ~1.5% in the cost model (1.93 / (0.0102 + 0.009) vs 1 / 0.0101), below the
+    # default 4% margin.
+    marginal = feed(DraftLengthController(8), 1, 60, 1.0, flat_verify, 0.009)
+    assert sum(k == 0 for k in marginal) >= 7  # plain (one probe at most)
+    eager = feed(DraftLengthController(8, min_gain=0.0), 1, 60, 1.0, flat_verify, 0.009)
+    assert sum(k > 0 for k in eager) >= 7  # without the margin the tie goes to speculation
+    # A clear gain is taken with the margin too.
+    clear = feed(DraftLengthController(8), 1, 60, 1.0, flat_verify, 0.004)
+    assert sum(k > 0 for k in clear) >= 7
+
+
 def test_plain_step_shortcut_matches_the_rule_path(target):
     """K = 0 steps skip the chain machinery for rules whose K = 0 verdict is "sample the
     target". A subclass that overrides `verify_unchecked` (same maths) takes the general path:
