@@ -1,9 +1,11 @@
 """The `mmspec` command line.
 
-    mmspec demo                      side-by-side speed table on a locally built model pair
+    mmspec demo                      side-by-side speed tables: a locally built LLM pair, the bundled
+                                     image generator, the bundled VLM's captions
     mmspec bench [options]           the core benchmark (plain / assisted / mmspec), JSON out
     mmspec bench imagegen [options]  image generation: plain vs every drafter and rule, JSON out
     mmspec bench mar [options]       MAR (continuous tokens): plain sampling vs CSpD, JSON out
+    mmspec bench vlm [options]       VLM captions / VQA: plain vs each drafter, JSON out (mmspec/bench/vlm.py)
     mmspec generate --class N --out DIR   class-conditional images (speculative; --compare: vs plain;
                                      MAR folders: CSpD, see pipelines/mar_cli.py)
     mmspec testbed ...               the procedural world, VQ tokenizer and judge (see
@@ -186,22 +188,39 @@ def cmd_demo(args) -> int:
     args.repeats = args.repeats or 1
     args.suite = "core"
     code = cmd_bench(args)
-    if args.no_images:
-        return code
+    if not args.no_images:
+        _demo_images(args)
+    if not args.no_captions:
+        _demo_captions(args)
+    return code
+
+
+def _demo_captions(args) -> None:
+    from mmspec.bench.vlm import DEFAULT_MODEL, demo
+
+    if not os.path.isfile(os.path.join(DEFAULT_MODEL, "model_index.json")):
+        print(f"\n(captioning section skipped: no bundled VLM at {DEFAULT_MODEL})")
+        return
+    print("\nmmspec demo, captions: the bundled testbed VLM (assets/testbed/vlm, a LLaVA-architecture model), plain\n"
+          "greedy decoding vs speculative decoding with each of its drafters (text-only small LM, EAGLE head, ViSpec\n"
+          "head) on the bundled sample scenes; one timed round, so expect noise.\n", flush=True)
+    print(demo(DEFAULT_MODEL, threads=args.threads or 2, progress=lambda m: print(m, file=sys.stderr, flush=True)))
+
+
+def _demo_images(args) -> None:
     from mmspec.bench.imagegen import DEFAULT_MODEL, demo
     from mmspec.bench.mar import demo_section as mar_demo
 
     if not os.path.isdir(DEFAULT_MODEL):
         print(f"\n(image section skipped: no bundled generator at {DEFAULT_MODEL})")
         print("\n" + mar_demo(args.image_out, threads=args.threads or 2, progress=lambda m: print(m, file=sys.stderr)))
-        return code
+        return
     print("\nmmspec demo, images: the bundled class-conditional generator (assets/testbed/imagegen), plain AR decoding\n"
           "vs speculative decoding with a small drafter model and with Jacobi self-drafting (exact = lossless), and the\n"
           "relaxed LANTERN and GSD rules; same labels and seeds for every method.\n", flush=True)
     print(demo(DEFAULT_MODEL, args.image_out, progress=lambda m: print(m, file=sys.stderr, flush=True),
                threads=args.threads or 2))
     print("\n" + mar_demo(args.image_out, threads=args.threads or 2, progress=lambda m: print(m, file=sys.stderr)))
-    return code
 
 
 def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
@@ -238,10 +257,12 @@ from mmspec.bench import SUITES  # noqa: E402  (a plain dict of names, no heavy 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmspec", description="Speculative decoding for VLMs and AR image generators")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="side-by-side speed tables: a locally built LLM pair, the bundled image generator")
+    p = sub.add_parser("demo", help="side-by-side speed tables: a locally built LLM pair, the bundled image "
+                       "generator, the bundled VLM")
     _add_bench_options(p, demo=True)
     p.add_argument("--image-out", default="mmspec_demo_images", help="folder for the image section's grid PNG + JSON")
     p.add_argument("--no-images", action="store_true", help="skip the image section")
+    p.add_argument("--no-captions", action="store_true", help="skip the VLM captioning section")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("bench", help="core benchmark: plain generate, assisted generation, mmspec; "
                        f"`mmspec bench SUITE --help` for the suites {sorted(SUITES)}")

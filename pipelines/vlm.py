@@ -155,7 +155,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
     @classmethod
     def from_pretrained(cls, directory, drafter=None, *, dtype: torch.dtype | None = None, **_) -> "SpeculativeVLMPipeline":
         """A saved pipeline folder, or a transformers checkpoint folder (model + processor) with
-        `drafter` = a DrafterComponent, a saved drafter folder, or None (plain decoding only)."""
+        `drafter` = a DrafterComponent, a saved drafter folder, or None (plain decoding only).
+        `dtype=None` keeps the checkpoint's dtype, except that float16 / bfloat16 checkpoints are
+        loaded in float32 (pipelines load on CPU; pass `dtype=torch.float16` to keep half precision)."""
         import transformers
 
         d = Path(directory)
@@ -167,6 +169,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"SpeculativeVLMPipeline supports model types {SUPPORTED_MODEL_TYPES}; {target_dir} holds "
                              f"a {config.model_type!r} model")
+        if dtype is None and str(getattr(config, "dtype", "")).replace("torch.", "") in ("float16", "bfloat16"):
+            dtype = torch.float32  # half-precision storage (the bundled testbed VLM): compute in float32 on CPU
         model_cls = getattr(transformers, index["target"][1]) if index else transformers.AutoModelForImageTextToText
         target = model_cls.from_pretrained(target_dir, **({"dtype": dtype} if dtype is not None else {}))
         processor = transformers.AutoProcessor.from_pretrained(proc_dir)

@@ -6,7 +6,8 @@
 
 `--model` is a saved `SpeculativeVLMPipeline` folder (or a transformers VLM checkpoint folder
 with its processor, then `--drafter` is a saved drafter folder). It defaults to the bundled
-testbed VLM (assets/testbed/vlm) once one is bundled. `--compare` also decodes plainly through
+testbed VLM (assets/testbed/vlm, found from the package location, so any working directory
+works). `--compare` also decodes plainly through
 the same code and reports the wall-clock speed-up and whether the answers are identical.
 Options of `train-drafter` map one to one onto `TrainDrafterConfig` fields.
 """

@@ -6,4 +6,5 @@ Speed is always a ratio measured side by side in one run; nothing here is a test
 SUITES: dict[str, str] = {
     "core": "mmspec.bench.draft_length:main",
     "mar": "mmspec.bench.mar:main",  # MAR: plain sampling vs CSpD
+    "vlm": "mmspec.bench.vlm:main",
 }

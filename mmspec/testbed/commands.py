@@ -8,6 +8,7 @@
     mmspec testbed train-imagegen --out DIR                  8x8-token VQ + c2i GPT + drafter
     mmspec testbed contact-sheet --out sheet.png             scenes next to their VQ reconstructions
     mmspec testbed train-mar --out DIR                       the MAR pair (VAE, target, drafter)
+    mmspec testbed train-vlm --out DIR                       the LLaVA testbed VLM + text / EAGLE / ViSpec drafters
     mmspec testbed caption-stats                             how multimodal the captions are
 
 Options map one to one onto the fields of the config dataclasses they build.
@@ -181,6 +182,10 @@ def add_subparsers(subparsers) -> None:
     from mmspec.testbed.imagegen_train import add_imagegen_command
 
     add_imagegen_command(sub)
+
+    from mmspec.testbed.vlm_train import add_vlm_command
+
+    add_vlm_command(sub)
     try:
         from mmspec.testbed.vq_train import add_vq_commands
     except ImportError:

@@ -1,0 +1,278 @@
+"""VLM benchmark (`mmspec bench vlm`): plain greedy decoding against speculative decoding with
+each drafter saved with a `SpeculativeVLMPipeline` (default: the bundled testbed VLM), on
+captions and VQA of testbed validation scenes.
+
+Per task (caption, vqa) and batch size it reports, per method (plain, then each drafter):
+mean accepted length (tokens per target verify forward per row, bonus included), target
+forwards, wall-clock seconds and the speed-up over plain decoding through the same pipeline
+code (median over rounds; plain and speculative runs are interleaved chunk by chunk, so load
+drift hits every method alike), whether every answer is identical to plain greedy, and the
+in-run cost of a drafter step (drafter seconds per drafter call) and of a verify forward. It
+also times the target's verify forward over Q tokens against its one-token forward at the same
+context (`verify_cost`, batch B, after the image prompt), which bounds any speed-up: a method
+pays cost(Q) / cost(1) per forward for its accepted length. `demo()` is the captioning
+section of `mmspec demo` (the bundled sample scenes).
+
+Limits: timings are of this machine and its load; run it on a quiet machine with fixed threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# The bundled VLM, found from the installed package (the repository root holds assets/).
+DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "vlm")
+SAMPLE_SCENES = Path(__file__).resolve().parents[2] / "assets" / "testbed" / "images"
+TASKS = ("caption", "vqa")
+
+
+@dataclasses.dataclass(frozen=True)
+class VLMBenchConfig:
+    model: str = DEFAULT_MODEL
+    num_scenes: int = 64
+    batch_sizes: tuple[int, ...] = (1, 4)
+    drafters: tuple[str, ...] = ()  # () = every drafter saved with the pipeline
+    tasks: tuple[str, ...] = TASKS
+    max_new_tokens: int = 40
+    repeats: int = 2  # timed rounds (median); a short untimed warm-up round first
+    warmup_scenes: int = 2
+    threads: int | None = None
+    seed: int = 0
+    verify_widths: tuple[int, ...] = (1, 2, 4, 6, 8, 16)
+
+    def __post_init__(self):
+        if self.num_scenes < 1 or self.repeats < 1 or self.max_new_tokens < 1:
+            raise ValueError("num_scenes, repeats and max_new_tokens must be >= 1")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad or not self.tasks:
+            raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {self.tasks}")
+        if 1 not in self.verify_widths:
+            raise ValueError("verify_widths must include 1 (the one-token forward every ratio is taken against)")
+
+
+def load_pipeline(model: str):
+    from mmspec.pipelines.vlm import SpeculativeVLMPipeline
+
+    if not (Path(model) / "model_index.json").is_file():
+        raise ValueError(f"no saved SpeculativeVLMPipeline at {model} (model_index.json missing); pass --model DIR "
+                         "(made by `mmspec testbed train-vlm` or SpeculativeVLMPipeline.save_pretrained)")
+    return SpeculativeVLMPipeline.from_pretrained(model, dtype=torch.float32)
+
+
+def task_items(scenes, task: str) -> tuple[list, list]:
+    images = [s.image for s in scenes]
+    return images, ([None] * len(scenes) if task == "caption" else [s.qa[0][0] for s in scenes])
+
+
+def _run(pipe, method: str, images, prompts, B: int, max_new_tokens: int):
+    if method != "plain":
+        pipe.load_drafter(method)
+    t0 = time.perf_counter()
+    out = pipe(images, prompts, max_new_tokens=max_new_tokens, speculative=method != "plain", batch_size=B)
+    return out, time.perf_counter() - t0
+
+
+def run_round(pipe, methods, images, prompts, B: int, cfg: VLMBenchConfig) -> dict:
+    """Every method on every chunk of B items, interleaved chunk by chunk."""
+    acc = {m: {"wall": 0.0, "texts": [], "seqs": [], "emitted": 0, "row_steps": 0, "target_calls": 0,
+               "draft_s": 0.0, "draft_calls": 0, "verify_s": 0.0} for m in methods}
+    for start in range(0, len(images), B):
+        chunk = slice(start, start + B)
+        for m in methods:
+            out, wall = _run(pipe, m, images[chunk], prompts[chunk], B, cfg.max_new_tokens)
+            a, s = acc[m], out.stats
+            a["wall"] += wall
+            a["texts"] += out.texts
+            a["seqs"] += [x.tolist() for x in out.sequences]
+            a["emitted"] += s.emitted_tokens
+            a["row_steps"] += s.row_steps
+            a["target_calls"] += s.target_calls
+            a["draft_s"] += s.draft_seconds
+            a["draft_calls"] += s.draft_calls or 0
+            a["verify_s"] += s.verify_seconds
+    return acc
+
+
+@torch.no_grad()
+def verify_cost(pipe, images, B: int, widths, calls: int = 20) -> dict:
+    """Median seconds of one target verify forward over Q tokens at batch B right after the
+    image + caption prompt, and its ratio to the one-token forward."""
+    from mmspec.types import FeatureRequest
+
+    imgs = [images[i % len(images)] for i in range(B)]
+    enc = pipe.processor(images=imgs, text=[pipe._prompt(None, 1)] * B, return_tensors="pt", padding=True)
+    params = pipe._spec_target.spec.forward_params
+    inputs = {k: (v.float() if torch.is_floating_point(v) else v) for k, v in enc.items()
+              if k in params and k not in ("input_ids", "attention_mask")}
+    target = pipe._spec_target
+    target.prefill(enc["input_ids"], enc["attention_mask"], inputs, 8, max(widths), FeatureRequest())
+    batches = {Q: torch.randint(5, target.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q))
+               for Q in widths}
+    for tokens in batches.values():
+        target.verify(tokens, None)  # warm-up (verify without commit leaves the cache as it was)
+    times: dict[int, list[float]] = {Q: [] for Q in widths}
+    for _ in range(calls):
+        for Q, tokens in batches.items():
+            t0 = time.perf_counter()
+            target.verify(tokens, None)
+            times[Q].append(time.perf_counter() - t0)
+    med = {Q: statistics.median(t) for Q, t in times.items()}
+    return {"seconds": {str(q): round(t, 6) for q, t in med.items()},
+            "ratio_to_one_token": {str(q): round(t / med[1], 3) for q, t in med.items()}}
+
+
+def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
+    from mmspec.testbed.world import World
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    pipe = load_pipeline(cfg.model)
+    names = list(cfg.drafters) or sorted(pipe.drafters)
+    unknown = [n for n in names if n not in pipe.drafters]
+    if unknown:
+        raise ValueError(f"drafters {unknown} are not saved with {cfg.model}; it has {sorted(pipe.drafters)}")
+    methods = ["plain"] + names
+    scenes = World(seed=cfg.seed, split="validation").sample(cfg.num_scenes)
+    t = pipe.target
+    report = {"config": dataclasses.asdict(cfg), "model": {
+        "target_parameters": sum(p.numel() for p in t.parameters()),
+        "drafter_parameters": {n: sum(p.numel() for p in d.parameters()) for n, d in pipe.drafters.items()},
+        "drafter_kinds": {n: d.config.kind for n, d in pipe.drafters.items()},
+        "num_draft_tokens": {n: d.config.num_draft_tokens for n, d in pipe.drafters.items()},
+        "default_drafter": next((n for n, d in pipe.drafters.items() if d is pipe.drafter), None),
+        "visual_tokens": getattr(t.config, "image_seq_length", None), "torch_threads": torch.get_num_threads(),
+    }, "runs": []}
+    for B in cfg.batch_sizes:
+        progress(f"batch {B}: verify cost")
+        cost = verify_cost(pipe, [s.image for s in scenes], B, cfg.verify_widths)
+        for task in cfg.tasks:
+            images, prompts = task_items(scenes, task)
+            run_round(pipe, methods, images[:cfg.warmup_scenes], prompts[:cfg.warmup_scenes], B, cfg)  # warm-up
+            rounds = []
+            for r in range(cfg.repeats):
+                order = methods[r % len(methods):] + methods[:r % len(methods)]  # rotate who goes first
+                rounds.append(run_round(pipe, order, images, prompts, B, cfg))
+                progress(f"batch {B} {task}: round {r + 1}/{cfg.repeats} done")
+            plain = statistics.median(x["plain"]["wall"] for x in rounds)
+            rows = {}
+            for m in methods:
+                last = rounds[-1][m]
+                wall = statistics.median(x[m]["wall"] for x in rounds)
+                rows[m] = {
+                    "wall_s": round(wall, 4), "speedup_vs_plain": round(plain / wall, 3),
+                    "mean_accepted_length": round(last["emitted"] / max(last["row_steps"], 1), 3),
+                    "target_forwards": last["target_calls"],
+                    "identical_to_plain": all(x[m]["seqs"] == x["plain"]["seqs"] for x in rounds),
+                    "verify_ms_per_forward": round(1e3 * last["verify_s"] / max(last["target_calls"], 1), 3),
+                    "drafter_ms_per_step": (round(1e3 * last["draft_s"] / last["draft_calls"], 3)
+                                            if last["draft_calls"] else None),
+                }
+            report["runs"].append({"task": task, "batch_size": B, "scenes": len(images), "verify_cost": cost,
+                                   "methods": rows, "sample": rounds[-1]["plain"]["texts"][:3]})
+    return report
+
+
+def format_table(report: dict) -> str:
+    m = report["model"]
+    lines = [f"VLM: target {m['target_parameters'] / 1e6:.2f}M params, {m['visual_tokens']} visual tokens, drafters "
+             + ", ".join(f"{n} ({m['drafter_kinds'][n]}, {p / 1e6:.2f}M, K={m['num_draft_tokens'][n]})"
+                         for n, p in m["drafter_parameters"].items())
+             + f"; default {m['default_drafter']}; threads {m['torch_threads']}"]
+    for r in report["runs"]:
+        ratio = r["verify_cost"]["ratio_to_one_token"]
+        lines.append(f"\n{r['task']}, batch {r['batch_size']}, {r['scenes']} scenes; verify cost / one-token forward: "
+                     + ", ".join(f"Q={q}: {v}x" for q, v in ratio.items()))
+        lines.append(f"{'method':<10}{'acc.len':>9}{'fwds':>7}{'wall s':>9}{'speed-up':>10}{'verify ms':>11}"
+                     f"{'draft ms':>10}  identical")
+        for name, x in r["methods"].items():
+            d = "-" if x["drafter_ms_per_step"] is None else f"{x['drafter_ms_per_step']:.2f}"
+            lines.append(f"{name:<10}{x['mean_accepted_length']:>9.2f}{x['target_forwards']:>7}{x['wall_s']:>9.2f}"
+                         f"{x['speedup_vs_plain']:>9.2f}x{x['verify_ms_per_forward']:>11.2f}{d:>10}  "
+                         f"{'yes' if x['identical_to_plain'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def save(report: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def demo(model: str = DEFAULT_MODEL, *, scenes: int = 6, batch_sizes=(1, 4), max_new_tokens: int = 32,
+         threads: int | None = 2, progress=lambda m: None) -> str:
+    """The captioning section of `mmspec demo`: plain vs each drafter on the bundled sample
+    scenes (one timed round, interleaved), then each scene's caption with its check."""
+    from PIL import Image
+
+    from mmspec.testbed.vlm_eval import caption_correct
+
+    if threads:
+        torch.set_num_threads(threads)
+    pipe = load_pipeline(model)
+    records = json.loads((SAMPLE_SCENES / "scenes.json").read_text())[:scenes]
+    images = [Image.open(SAMPLE_SCENES / r["image"]).convert("RGB") for r in records]
+    prompts = [None] * len(images)
+    methods = ["plain"] + sorted(pipe.drafters)
+    default = next((n for n, d in pipe.drafters.items() if d is pipe.drafter), None)
+    cfg = VLMBenchConfig(model=model, max_new_tokens=max_new_tokens)
+    lines = [f"{len(images)} sample scenes, default drafter: {default}"]
+    for B in batch_sizes:
+        run_round(pipe, methods, images[:1], prompts[:1], B, cfg)  # warm-up, untimed
+        acc = run_round(pipe, methods, images, prompts, B, cfg)
+        progress(f"captions at batch {B} done")
+        plain = acc["plain"]["wall"]
+        lines.append(f"\nbatch {B}: {'method':<8}{'acc.len':>9}{'wall s':>9}{'speed-up':>10}  identical to plain")
+        for m in methods:
+            a = acc[m]
+            length = a["emitted"] / max(a["row_steps"], 1)
+            lines.append(f"         {m:<8}{length:>9.2f}{a['wall']:>9.2f}{plain / a['wall']:>9.2f}x  "
+                         f"{'yes' if a['seqs'] == acc['plain']['seqs'] else 'NO'}")
+    lines.append("\ncaptions (plain greedy; speculative ones are identical), checked against the scene:")
+    for r, text in zip(records, acc["plain"]["texts"]):
+        ok = caption_correct(text, r["attributes"])
+        lines.append(f"  {r['image']}: {text}  [{'right' if ok else 'WRONG'}]")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """`mmspec bench vlm [options]`."""
+    import argparse
+
+    def ints(text):
+        return tuple(int(x) for x in text.split(",") if x.strip())
+
+    def names(text):
+        return tuple(x for x in text.split(",") if x.strip())
+
+    p = argparse.ArgumentParser(prog="mmspec bench vlm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="saved SpeculativeVLMPipeline (default: bundled VLM)")
+    p.add_argument("--num-scenes", type=int, default=64, help="validation scenes per task")
+    p.add_argument("--batch-sizes", type=ints, default=(1, 4))
+    p.add_argument("--drafters", type=names, default=(), help="comma-separated drafter names (default: all saved)")
+    p.add_argument("--tasks", type=names, default=TASKS, help="caption,vqa")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=2, help="timed rounds (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    a = p.parse_args(argv)
+    try:
+        config = VLMBenchConfig(model=a.model, num_scenes=a.num_scenes, batch_sizes=a.batch_sizes,
+                                drafters=a.drafters, tasks=a.tasks, max_new_tokens=a.max_new_tokens,
+                                repeats=a.repeats, threads=a.threads, seed=a.seed)
+        report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as e:
+        raise SystemExit(f"mmspec bench vlm: {e}") from None
+    print(format_table(report))
+    if a.json:
+        save(report, a.json)
+        print(f"wrote {a.json}")
+    return 0

@@ -1,0 +1,113 @@
+"""The testbed VLM: `mmspec testbed train-vlm` end to end on a tiny config (the saved folder loads
+as a SpeculativeVLMPipeline with a real LlavaProcessor, weights stored fp16, greedy speculative
+answers of every drafter equal plain), the caption / VQA checks (every grammar caption passes, a
+planted colour swap fails), and the bundled assets/testbed/vlm folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmspec.testbed.vlm_eval import caption_correct, caption_pairs, vqa_correct
+from mmspec.testbed.world import World
+
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
+TINY = ["--n-train", "32", "--n-val", "4", "--tower-steps", "2", "--tower-layers", "1", "--lm-steps", "3",
+        "--lm-layers", "1", "--lm-batch", "8", "--drafter-images", "4", "--drafter-steps", "2", "--drafter-batch", "4",
+        "--accept-scenes", "2", "--max-new-tokens", "6", "--answer-tokens", "6", "--no-progress"]
+
+
+def test_every_grammar_caption_is_correct_and_a_swapped_colour_is_not():
+    scenes = World(seed=0, split="validation").sample(60)
+    assert all(caption_correct(c, s.attributes) for s in scenes for c in s.captions)
+    swapped = 0
+    for s in scenes:
+        objs = s.attributes["objects"]
+        if len(objs) < 2 or objs[0]["colour"] == objs[1]["colour"] or objs[0]["shape"] == objs[1]["shape"]:
+            continue
+        a, b = objs[0], objs[1]
+        wrong = f"a {a['colour']} {b['shape']} and a {b['colour']} {a['shape']}" + "".join(
+            f" and a {o['colour']} {o['shape']}" for o in objs[2:])
+        assert not caption_correct(wrong, s.attributes), wrong
+        missing = " and ".join(f"a {o['colour']} {o['shape']}" for o in objs[1:])
+        assert not caption_correct(missing, s.attributes), missing
+        swapped += 1
+    assert swapped >= 10  # the planted errors were actually exercised
+    assert caption_pairs("a disc in crimson next to a round shape coloured azure") == [("red", "circle"),
+                                                                                      ("blue", "circle")]
+
+
+def test_vqa_check_takes_any_valid_phrasing_only():
+    s = World(seed=0, split="validation").scene(3)
+    q, valid = s.qa[0]
+    assert all(vqa_correct(v.upper() + "  ", valid) for v in valid)
+    assert not vqa_correct("purple elephant", valid)
+    assert not vqa_correct(None, valid)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from mmspec.cli import main
+
+    d = tmp_path_factory.mktemp("vlm")
+    assert main(["testbed", "train-vlm", "--out", str(d / "vlm"), *TINY]) == 0
+    return d / "vlm"
+
+
+def test_train_vlm_tiny_folder_loads_and_speculative_equals_plain(tiny_run):
+    from safetensors import safe_open
+    from transformers import AutoProcessor, LlavaProcessor
+
+    from mmspec.pipelines import SpeculativeVLMPipeline
+
+    metrics = json.loads((tiny_run / "metrics.json").read_text())
+    log = json.loads((tiny_run / "train_log.json").read_text())
+    assert {"data", "tower", "lm", "text", "eagle", "vispec", "eval"} <= set(metrics)
+    assert len(log["lm"]) >= 1 and all(torch.isfinite(torch.tensor(r["loss"])) for r in log["lm"])
+    assert metrics["eval"]["default_drafter"] in ("text", "eagle", "vispec")
+    with safe_open(str(next((tiny_run / "target").glob("*.safetensors"))), "pt") as f:
+        assert all(f.get_slice(k).get_dtype() == "F16" for k in f.keys())
+    assert isinstance(AutoProcessor.from_pretrained(tiny_run / "processor"), LlavaProcessor)
+    pipe = SpeculativeVLMPipeline.from_pretrained(tiny_run)
+    assert pipe.target.dtype == torch.float32  # fp16 storage, float32 compute on CPU
+    assert set(pipe.drafters) == {"text", "eagle", "vispec"}
+    assert pipe.drafter is pipe.drafters[metrics["eval"]["default_drafter"]]
+    scenes = World(seed=5, split="test").sample(3)
+    images, prompts = [s.image for s in scenes], [None, scenes[1].qa[0][0], None]
+    plain = pipe(images, prompts, max_new_tokens=8, speculative=False)
+    assert any(len(x) > 1 for x in plain.sequences)
+    for name in sorted(pipe.drafters):
+        pipe.load_drafter(name)
+        out = pipe(images, prompts, max_new_tokens=8)
+        assert [x.tolist() for x in out.sequences] == [x.tolist() for x in plain.sequences], name
+
+
+def test_train_vlm_refuses_too_few_visual_tokens(tmp_path):
+    from mmspec.cli import main
+
+    with pytest.raises(SystemExit, match="visual tokens"):
+        main(["testbed", "train-vlm", "--out", str(tmp_path / "x"), "--patch-size", "20", "--no-progress"])
+
+
+@pytest.mark.skipif(not (BUNDLED / "model_index.json").is_file(), reason="no bundled VLM in this checkout")
+def test_bundled_vlm_has_a_real_processor_and_its_drafters():
+    from transformers import LlavaProcessor
+
+    from mmspec.pipelines import SpeculativeVLMPipeline
+
+    pipe = SpeculativeVLMPipeline.from_pretrained(BUNDLED)
+    assert isinstance(pipe.processor, LlavaProcessor)
+    assert type(pipe.processor.image_processor).__name__.startswith("CLIPImageProcessor")
+    scene = World(seed=0, split="validation").scene(0)
+    enc = pipe.processor(images=[scene.image], text=[pipe._prompt(None, 1)], return_tensors="pt")
+    image_id = pipe.processor.tokenizer.convert_tokens_to_ids(pipe.processor.image_token)
+    assert int((enc["input_ids"] == image_id).sum()) >= 32
+    metrics = json.loads((BUNDLED / "metrics.json").read_text())
+    assert set(pipe.drafters) == {"text", "eagle", "vispec"}
+    assert pipe.drafter is pipe.drafters[metrics["eval"]["default_drafter"]]
+    plain = pipe([scene.image], None, max_new_tokens=24, speculative=False)
+    spec = pipe([scene.image], None, max_new_tokens=24)
+    assert spec.sequences[0].tolist() == plain.sequences[0].tolist()
