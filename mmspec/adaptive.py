@@ -14,6 +14,11 @@ Model (per step, B active rows, K drafts per row):
   otherwise a least-squares line in the number of tokens processed (B * Q for verify, B * K
   for drafting) fitted to every observation so far, so a batch size seen for the first time
   still gets an estimate. K = 0 is plain decoding (the drafter does no work that step).
+- Switching speculation on must pay by a margin (`min_gain`, 4% by default): K > 0 is chosen
+  over K = 0 only when its estimated rate beats plain decoding's by that much. Batched
+  speculation has costs a per-step model does not see (rows drift apart, so later steps lose
+  the equal-length fast path and the batch thins out unevenly), and near-ties are where
+  estimation noise decides; the margin keeps those steps plain.
 - Exploration is deterministic: a short warm-up over a few K values, then every `probe_every`
   steps the neighbour of the current choice is tried, so the estimates stay fresh.
 
@@ -85,6 +90,7 @@ class DraftLengthController:
         decay: float = 0.9,
         warmup: tuple[int, ...] | None = None,
         probe_every: int = 16,
+        min_gain: float = 0.04,
     ):
         if not isinstance(k_max, int) or k_max < 0:
             raise ValueError(f"k_max must be an int >= 0, got {k_max!r}")
@@ -99,6 +105,9 @@ class DraftLengthController:
         # Two draft lengths give the cost lines two points; everything after is chosen.
         self.warmup = list(warmup if warmup is not None else (k0, min(1, k_max), k0))
         self.probe_every = probe_every
+        if not 0.0 <= float(min_gain) < 1.0:
+            raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
+        self.min_gain = float(min_gain)
         self.steps = 0
         self.history: list[int] = []
         self.last_choice = k0
@@ -136,6 +145,8 @@ class DraftLengthController:
             rates = {k: self.rate(batch, k) for k in range(self.k_max + 1)}
             known = {k: r for k, r in rates.items() if r is not None}
             k = max(known, key=known.get) if known else self.last_choice
+            if k > 0 and known.get(0) is not None and known[k] < (1.0 + self.min_gain) * known[0]:
+                k = 0  # speculation must pay by the margin
             if self.probe_every and self.steps % self.probe_every == 0:
                 # Keep the neighbours' estimates fresh: alternate above / below the choice.
                 step = 1 if (self.steps // self.probe_every) % 2 else -1

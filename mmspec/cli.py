@@ -4,8 +4,10 @@
                                      image generator, the bundled VLM's captions
     mmspec bench [options]           the core benchmark (plain / assisted / mmspec), JSON out
     mmspec bench imagegen [options]  image generation: plain vs every drafter and rule, JSON out
+    mmspec bench mar [options]       MAR (continuous tokens): plain sampling vs CSpD, JSON out
     mmspec bench vlm [options]       VLM captions / VQA: plain vs each drafter, JSON out (mmspec/bench/vlm.py)
-    mmspec generate --class N --out DIR   class-conditional images (speculative; --compare: vs plain)
+    mmspec generate --class N --out DIR   class-conditional images (speculative; --compare: vs plain;
+                                     MAR folders: CSpD, see pipelines/mar_cli.py)
     mmspec testbed ...               the procedural world, VQ tokenizer and judge (see
                                      mmspec/testbed/commands.py)
     mmspec caption / vqa / train-drafter   VLM captioning, VQA and drafter training (see
@@ -102,7 +104,12 @@ def cmd_generate(args) -> int:
     from mmspec.models.llamagen_gpt import LlamaGenGPT
 
     model = args.model or DEFAULT_MODEL
+    from mmspec.pipelines.mar_cli import check_discrete_options, cmd_generate_mar, is_mar_folder
+
+    if is_mar_folder(model):  # continuous tokens: SpeculativeMARPipeline with CSpD
+        return cmd_generate_mar(args, model)
     _require_model(model, "generate")
+    check_discrete_options(args, model)
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = load_pipeline(model)
@@ -202,15 +209,18 @@ def _demo_captions(args) -> None:
 
 def _demo_images(args) -> None:
     from mmspec.bench.imagegen import DEFAULT_MODEL, demo
+    from mmspec.bench.mar import demo_section as mar_demo
 
     if not os.path.isdir(DEFAULT_MODEL):
         print(f"\n(image section skipped: no bundled generator at {DEFAULT_MODEL})")
+        print("\n" + mar_demo(args.image_out, threads=args.threads or 2, progress=lambda m: print(m, file=sys.stderr)))
         return
     print("\nmmspec demo, images: the bundled class-conditional generator (assets/testbed/imagegen), plain AR decoding\n"
           "vs speculative decoding with a small drafter model and with Jacobi self-drafting (exact = lossless), and the\n"
           "relaxed LANTERN and GSD rules; same labels and seeds for every method.\n", flush=True)
     print(demo(DEFAULT_MODEL, args.image_out, progress=lambda m: print(m, file=sys.stderr, flush=True),
                threads=args.threads or 2))
+    print("\n" + mar_demo(args.image_out, threads=args.threads or 2, progress=lambda m: print(m, file=sys.stderr)))
 
 
 def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
@@ -259,13 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_options(p, demo=False)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("generate", help="class-conditional images with speculative decoding (PNG out)")
-    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled assets/testbed/imagegen)")
+    p.add_argument("--model", default=None, help="pipeline folder (default: the bundled assets/testbed/imagegen); "
+                   "a SpeculativeMARPipeline folder samples with CSpD")
     p.add_argument("--class", dest="class_", type=int, nargs="+", required=True, help="class id(s)")
     p.add_argument("--num-images", type=int, default=1, help="images per class")
-    p.add_argument("--acceptance", default="exact", help="rule name: exact, lantern, gsd, ...")
+    p.add_argument("--acceptance", default=None, help="rule name: exact (default), lantern, gsd, ...; MAR: continuous")
     p.add_argument("--drafter", choices=("jacobi", "model"), default=None, help="default: the pipeline's")
-    p.add_argument("--window", type=int, default=16, help="Jacobi window (with --drafter jacobi)")
-    p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default="maximal")
+    p.add_argument("--window", type=int, default=None, help="Jacobi window (with --drafter jacobi; default 16)")
+    p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default=None, help="default maximal")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the generator's own")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=None)
@@ -274,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also decode plainly on the same seed; print the speed-up")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     p.add_argument("--out", required=True, help="output folder for the PNGs")
+    from mmspec.pipelines.mar_cli import add_generate_options as add_mar_generate
+
+    add_mar_generate(p)
     p.set_defaults(func=cmd_generate)
     from mmspec.testbed.commands import add_subparsers as add_testbed
 

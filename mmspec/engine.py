@@ -138,6 +138,14 @@ def _resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig, targe
     return rule
 
 
+def _plain_k0(rule) -> bool:
+    from mmspec.acceptance.base import ChainRule  # core -> rules only at call time (layering)
+
+    cls = type(rule)
+    return (isinstance(rule, ChainRule) and cls.verify is ChainRule.verify
+            and cls.verify_unchecked is ChainRule.verify_unchecked)
+
+
 class _Emitter:
     """Output buffer and per-row progress: which tokens a step emits, EOS and length limits,
     which rows are still active."""
@@ -204,6 +212,31 @@ class _Emitter:
         )
         keep = [i for i in range(Ba) if not ended[i] and written_host[i] < self.max_new]
         return info, n_host, count_host, keep
+
+    def emit_root(self, next_tokens: torch.Tensor, finite: torch.Tensor) -> tuple[CommitInfo, list[int], list[int], list[int]]:
+        """`emit` for a step that verified the roots alone (K = 0): one token per row."""
+        Ba = next_tokens.shape[0]
+        # Active rows have written < max_new (finished rows were dropped), so each takes its token.
+        self.buf[self.rows_dev, self.written] = next_tokens
+        self.written = self.written + 1
+        parts = [self.written, finite.long().expand(Ba)]
+        if self.eos:
+            parts.append(torch.isin(next_tokens, self.eos_t).long())
+        host = torch.stack(parts).tolist()  # SYNC: the one per step
+        if Ba and not host[1][0]:
+            raise ValueError("non-finite probabilities (NaN or inf) in this step's target distribution; check the "
+                             "model's dtype and inputs (the output would be silently wrong)")
+        written_host = host[0]
+        ended = host[2] if self.eos else [0] * Ba
+        for r in self.rows_host:
+            self.new_tokens[r] += 1
+        zeros = torch.zeros(Ba, dtype=torch.long, device=next_tokens.device)
+        info = CommitInfo(
+            path=zeros.unsqueeze(1), num_accepted=zeros, accepted_tokens=zeros.new_empty(Ba, 0),
+            next_tokens=next_tokens, num_accepted_list=[0] * Ba,
+        )
+        keep = [i for i in range(Ba) if not ended[i] and written_host[i] < self.max_new]
+        return info, [0] * Ba, [1] * Ba, keep
 
     def select(self, keep: list[int]) -> torch.Tensor:
         idx = torch.tensor(keep, dtype=torch.long, device=self.buf.device)
@@ -288,6 +321,9 @@ class _Loop:
         self.controller = None
         if getattr(drafter, "adaptive", False):
             self.controller = getattr(drafter, "controller", None) or DraftLengthController(drafter.max_draft_nodes)
+        # The K = 0 shortcut is taken only for rules whose K = 0 verdict is known to be
+        # "sample the target" (the base class's vectorised verify, not overridden).
+        self.plain_step = _plain_k0(rule)
 
     def prefill(self, input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter: _Emitter) -> None:
         tout = self.target.prefill(
@@ -318,22 +354,30 @@ class _Loop:
         h1 = time.perf_counter()
         tokens = torch.cat([self.roots.unsqueeze(1), draft.tokens], 1)  # [Ba, N+1]
         tout = self.target.verify(tokens, None if draft.is_chain else draft.parents)
-        probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
-        # Checked within the step's one sync; a deterministic draft (no q) is always finite.
-        drafted_ok = (torch.isfinite(draft.draft_probs).all() if draft.draft_probs is not None
-                      else probs.new_ones((), dtype=torch.bool))
-        finite = torch.stack([torch.isfinite(probs).all(), drafted_ok])
-        verdict = verify_draft(self.rule, draft, probs, generator=self.generator)
-        info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite)
+        if tokens.shape[1] == 1 and self.plain_step:
+            # K = 0 (plain decoding, e.g. chosen by the adaptive controller): the rule's own
+            # K = 0 answer (sample the target) without the chain machinery around it.
+            probs = process_logits(tout.logits[:, -1], self.sampling)  # [Ba, V]
+            next_tokens = self.rule.sample(probs, self.generator)
+            info, n_host, count_host, keep = emitter.emit_root(next_tokens, torch.isfinite(probs).all())
+            verdict = None
+        else:
+            probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
+            # Checked within the step's one sync; a deterministic draft (no q) is always finite.
+            drafted_ok = (torch.isfinite(draft.draft_probs).all() if draft.draft_probs is not None
+                          else probs.new_ones((), dtype=torch.bool))
+            finite = torch.stack([torch.isfinite(probs).all(), drafted_ok])
+            verdict = verify_draft(self.rule, draft, probs, generator=self.generator)
+            info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite)
         info.is_chain = draft.is_chain
-        if verdict.distortion is not None:  # summed on the device; read once at the end
+        if verdict is not None and verdict.distortion is not None:  # summed on the device; read once at the end
             self.distortion = self.distortion + verdict.distortion.sum().to(torch.float64)
         self.target.commit(info)
         t2 = self.timer.mark()
         h2 = time.perf_counter()
         self.drafter.commit(info, tout)
         self.stats.record_step(n_host, draft.num_nodes, count_host)
-        self.roots = verdict.next_tokens
+        self.roots = info.next_tokens
         if len(keep) < len(n_host):
             self._drop(emitter, keep)
         t3 = self.timer.mark()

@@ -47,6 +47,9 @@ class Attention:
     key_padding: torch.Tensor | None  # [B, L] bool at prefill (True = real token), else None
     q_pos: torch.Tensor  # [B, Q] long, logical positions of the queries
     slot_pos: torch.Tensor  # [B, S] long, logical positions of every slot
+    # True when every query sees every slot [0, S) (one new token per row, rows of equal
+    # length, no prompt padding): a spec may then run without a mask.
+    full: bool = False
 
     @property
     def is_prefill(self) -> bool:
@@ -89,6 +92,7 @@ class RaggedKV:
         device = attention_mask.device
         self.num_layers = num_layers
         self.prompt_slots = L
+        self.unpadded = False  # set by `scrub_padding` (after prefill) when no prompt slot is padding
         self.max_slots = max_slots
         cap = min(max_slots, initial_slots if initial_slots is not None else L + GROWTH_CHUNK)
         self.capacity = max(cap, L)
@@ -135,6 +139,16 @@ class RaggedKV:
         max_len = max(self.length_host) if self.length_host else 0
         kv_len = max_len + T + Q
         self.ensure_capacity(kv_len)
+        if self.unpadded and T == 0 and Q == 1 and min(self.length_host) == max_len:
+            # Plain decoding step of equal-length unpadded rows: everything is visible.
+            self.write_rows = torch.arange(B, device=device).unsqueeze(1)
+            self.write_slots = self.length.unsqueeze(1)
+            q_pos = self.next_pos.unsqueeze(1) + depth
+            self.slot_pos[self.write_rows, self.write_slots] = q_pos
+            self.kv_len, self.past_len = kv_len, kv_len - Q
+            visible = torch.ones(B, Q, kv_len, dtype=torch.bool, device=device)
+            return Attention(visible=visible, key_padding=None, q_pos=q_pos, slot_pos=self.slot_pos[:, :kv_len],
+                             full=True)
         slots = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, S]
         rel = slots - self.length.unsqueeze(1)  # [B, S] offset into the uncommitted region
         committed = (rel < 0) & self.prefix_valid[:, :kv_len]
@@ -190,6 +204,7 @@ class RaggedKV:
         L = self.prompt_slots
         pad = ~self.prefix_valid[:, :L]  # [B, L]
         if not bool(pad.any()):  # SYNC: once per request, after prefill
+            self.unpadded = True
             return
         keep = ~pad[:, None, :, None]
         for i, (k, v) in enumerate(zip(self.keys, self.values)):

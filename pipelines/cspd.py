@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmspec.acceptance import ContinuousAcceptance
-from mmspec.models.mar import mar_schedule
+from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.stats import SpecStats
 
 
@@ -160,6 +160,8 @@ def sample_mar(
     `callback(steps_done)` is called after every target call with the smallest step reached.
     `noise` replaces the orders and diffusion noise drawn from `generator` (studies, tests)."""
     t0 = time.perf_counter()
+    if not isinstance(target, MARModel):
+        raise TypeError(f"target must be a mmspec.models.mar.MARModel, got {type(target).__name__}")
     cfg = target.config
     L, D, S = target.seq_len, target.token_embed_dim, target.diffloss.gen.num_steps
     masked, lens = mar_schedule(L, num_iter)
@@ -178,7 +180,7 @@ def sample_mar(
             raise ValueError("temperature must be > 0 for speculative sampling (a zero-variance Gaussian cannot be verified)")
         if not final_step_noise:
             raise ValueError("final_step_noise=False is plain sampling only: speculative verification needs a Gaussian last step")
-        if not isinstance(num_draft_steps, int) or num_draft_steps < 1:
+        if not isinstance(num_draft_steps, int) or isinstance(num_draft_steps, bool) or num_draft_steps < 1:
             raise ValueError(f"num_draft_steps must be an int >= 1, got {num_draft_steps!r}")
         if not 0.0 <= prefill_fraction <= 1.0:
             raise ValueError(f"prefill_fraction must be in [0, 1], got {prefill_fraction!r}")
@@ -305,7 +307,15 @@ def _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, K, stats
 
 def check_drafter(target, drafter) -> None:
     """A drafter must share the target's token grid, token dimension, classes and head
-    schedule (the trajectories are aligned step by step)."""
+    schedule (the trajectories are aligned step by step), and its dtype and device (the shared
+    noise is drawn once, in the target's dtype)."""
+    for arg, model in (("target", target), ("drafter", drafter)):
+        if not isinstance(model, MARModel):
+            raise TypeError(f"{arg} must be a mmspec.models.mar.MARModel, got {type(model).__name__}")
+    for name in ("dtype", "device"):
+        if getattr(target, name) != getattr(drafter, name):
+            raise ValueError(f"drafter {name}={getattr(drafter, name)} differs from the target's {getattr(target, name)}; "
+                             "move both to one dtype and device (e.g. pipe.to(torch.float32))")
     for name in ("seq_len", "token_embed_dim"):
         if getattr(target, name) != getattr(drafter, name):
             raise ValueError(f"drafter {name}={getattr(drafter, name)} differs from the target's {getattr(target, name)}")

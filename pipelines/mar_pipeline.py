@@ -9,7 +9,9 @@ through it. Sources: MAR (github.com/LTH14/mar), CSpD (arXiv 2411.11925).
 
 Save / load: `pipe.save_pretrained(dir)` writes the diffusers layout; load it with
 `SpeculativeMARPipeline.from_pretrained(dir)` (this class's loader: the components are
-mmspec classes, which diffusers' generic loader does not look up).
+mmspec classes, which diffusers' generic loader does not look up). Each component is loaded
+strictly: a folder holding another class, or weights that miss or add parameters, is a
+ValueError naming the component (diffusers alone would initialise missing weights at random).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
-from mmspec.models.mar import MARModel
+from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, sample_mar
 
 
@@ -83,6 +85,7 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         if output_type not in ("pil", "np", "pt", "latent"):
             raise ValueError(f"output_type must be 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         self.check_vae()
+        mar_schedule(self.transformer.seq_len, num_iter)  # validates num_iter before the progress bar is drawn
         if isinstance(acceptance, str):
             if acceptance not in CONTINUOUS_RULES:
                 raise ValueError(f"acceptance must be one of {sorted(CONTINUOUS_RULES)} or a ContinuousAcceptance, got {acceptance!r}")
@@ -143,11 +146,33 @@ class SpeculativeMARPipeline(DiffusionPipeline):
             if entry is None or entry[0] is None:
                 parts[name] = None
                 continue
-            kw = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
-            parts[name] = loader.from_pretrained(os.path.join(root, name), **kw).eval()
+            parts[name] = _load_component(root, name, loader, entry, torch_dtype)
         if parts["transformer"] is None or parts["vae"] is None:
             raise ValueError(f"{root!r} has no transformer or no vae")
         return cls(**parts)
+
+
+def _load_component(root: str, name: str, loader, entry, torch_dtype):
+    """Load one component strictly: the folder must hold a `loader` (by model_index.json and by
+    its config.json) and its weights must cover exactly the parameters of that class (diffusers'
+    loader would otherwise initialise missing weights at random and carry on)."""
+    folder = os.path.join(root, name)
+    cfg_path = os.path.join(folder, "config.json")
+    declared = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
+    found = None
+    if os.path.isfile(cfg_path):
+        with open(cfg_path) as f:
+            found = json.load(f).get("_class_name")
+    if declared != loader.__name__ or found != loader.__name__:
+        raise ValueError(f"{name}: {folder!r} must hold a {loader.__name__} (model_index.json says {declared!r}, "
+                         f"its config.json says {found!r}); a checkpoint of another architecture cannot be used")
+    kw = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    model, info = loader.from_pretrained(folder, output_loading_info=True, **kw)
+    bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(bad.values()):
+        raise ValueError(f"{name}: the weights in {folder!r} do not match its config ("
+                         + ", ".join(f"{k} {v[:6]}{' ...' if len(v) > 6 else ''}" for k, v in bad.items() if v) + ")")
+    return model.eval()
 
 
 def to_numpy_images(images) -> np.ndarray:

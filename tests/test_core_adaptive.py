@@ -93,3 +93,78 @@ def test_controller_switches_back_on_when_acceptance_recovers():
     assert ctrl.history[-1] == 0 or ctrl.history[-2] == 0
     recovered = feed(ctrl, 1, 80, 0.95, flat_verify, 0.002, seed=1)
     assert sum(recovered) / len(recovered) >= 3
+
+
+def test_controller_needs_a_margin_to_switch_speculation_on():
+    # Every draft accepted, but a draft token costs 0.009 s against a 0.0101 s verify: after
+    # the warm-up (acceptance estimate ~0.93, the prior still weighing) K = 1 beats plain
+    # decoding by ~1.5% in the cost model (1.93 / (0.0102 + 0.009) vs 1 / 0.0101), below the
+    # default 4% margin.
+    marginal = feed(DraftLengthController(8), 1, 60, 1.0, flat_verify, 0.009)
+    assert sum(k == 0 for k in marginal) >= 7  # plain (one probe at most)
+    eager = feed(DraftLengthController(8, min_gain=0.0), 1, 60, 1.0, flat_verify, 0.009)
+    assert sum(k > 0 for k in eager) >= 7  # without the margin the tie goes to speculation
+    # A clear gain is taken with the margin too.
+    clear = feed(DraftLengthController(8), 1, 60, 1.0, flat_verify, 0.004)
+    assert sum(k > 0 for k in clear) >= 7
+
+
+def test_plain_step_shortcut_matches_the_rule_path(target):
+    """K = 0 steps skip the chain machinery for rules whose K = 0 verdict is "sample the
+    target". A subclass that overrides `verify_unchecked` (same maths) takes the general path:
+    both give the same tokens for the same seed, sampled and greedy, EOS included."""
+    from mmspec.acceptance import ExactAcceptance
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    class Slow(ExactAcceptance):
+        def verify_unchecked(self, *args, **kwargs):
+            return super().verify_unchecked(*args, **kwargs)
+
+    ids, mask = left_padded([9, 5, 7, 3])
+    for temperature in (0.0, 1.0):
+        outs = []
+        for rule in (ExactAcceptance(), Slow()):
+            outs.append(mmspec.speculative_generate(
+                target, NullDrafter(target.config.vocab_size), ids, mask, acceptance=rule,
+                temperature=temperature, max_new_tokens=30, eos_token_id=2, pad_token_id=0,
+                generator=torch.Generator().manual_seed(5)))
+        assert torch.equal(outs[0].sequences, outs[1].sequences)
+        assert outs[0].stats.new_tokens == outs[1].stats.new_tokens
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0,
+                          eos_token_id=2)
+    greedy = mmspec.speculative_generate(target, NullDrafter(target.config.vocab_size), ids, mask, temperature=0,
+                                         max_new_tokens=30, eos_token_id=2, pad_token_id=0)
+    assert torch.equal(greedy.sequences, ref)
+
+
+def test_unpadded_equal_length_plain_steps_run_mask_free_and_exact(target, good_drafter, monkeypatch):
+    """Rows of equal length without prompt padding take the mask-free K = 0 attention path
+    (`Attention.full`); greedy output still equals `generate`, alone and mixed with drafts."""
+    from mmspec.drafters.null_drafter import NullDrafter
+    from mmspec.ragged import RaggedKV
+
+    full = []
+    plan = RaggedKV.plan
+
+    def spy(self, *args, **kwargs):
+        att = plan(self, *args, **kwargs)
+        full.append(att.full)
+        return att
+
+    monkeypatch.setattr(RaggedKV, "plan", spy)
+    ids = torch.randint(3, target.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(2))
+    ref = target.generate(input_ids=ids, do_sample=False, max_new_tokens=25, pad_token_id=0, eos_token_id=2)
+    for drafter in (NullDrafter(target.config.vocab_size), ModelDrafter(good_drafter)):
+        full.clear()
+        out = mmspec.speculative_generate(target, drafter, ids, temperature=0, max_new_tokens=25, eos_token_id=2,
+                                          pad_token_id=0)
+        assert torch.equal(out.sequences, ref)
+        assert any(full)
+    # one padded row: never mask-free
+    ids2, mask2 = left_padded([7, 5, 7])
+    full.clear()
+    out = mmspec.speculative_generate(target, NullDrafter(target.config.vocab_size), ids2, mask2, temperature=0,
+                                      max_new_tokens=10, pad_token_id=0)
+    ref2 = target.generate(input_ids=ids2, attention_mask=mask2, do_sample=False, max_new_tokens=10, pad_token_id=0,
+                           eos_token_id=None)
+    assert torch.equal(out.sequences, ref2) and not any(full)

@@ -156,8 +156,9 @@ def test_bad_inputs_are_refused_naming_the_argument():
         sample_mar(m, ok, num_iter=4, drafter=m, temperature=0.0)
     with pytest.raises(ValueError, match="cfg_schedule"):
         sample_mar(m, ok, num_iter=4, cfg_schedule="cosine")
-    with pytest.raises(ValueError, match="num_draft_steps"):
-        sample_mar(m, ok, num_iter=4, drafter=m, num_draft_steps=0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="num_draft_steps"):
+            sample_mar(m, ok, num_iter=4, drafter=m, num_draft_steps=bad)
     with pytest.raises(ValueError, match="final_step_noise"):
         sample_mar(m, ok, num_iter=4, drafter=m, final_step_noise=False)
 
@@ -209,8 +210,9 @@ def test_pipeline_refuses_bad_inputs():
         pipe([0], num_iter=2)
     with pytest.raises(ValueError, match="class_labels"):
         pipe([7], num_iter=2, speculative=False)
-    with pytest.raises(ValueError, match="num_iter"):
-        pipe([0], num_iter=0, speculative=False)
+    for bad in (0, -1, 17, 2.0, True):  # 16 tokens
+        with pytest.raises(ValueError, match="num_iter"):
+            pipe([0], num_iter=bad, speculative=False)
     with pytest.raises(ValueError, match="acceptance"):
         pipe([0], num_iter=2, speculative=False, acceptance="exact")
     with pytest.raises(ValueError, match="vae latent_channels"):
@@ -219,3 +221,52 @@ def test_pipeline_refuses_bad_inputs():
         SpeculativeMARPipeline(transformer=m, vae=tiny_vae(levels=2))([0], num_iter=2, speculative=False)
     with pytest.raises(ValueError, match="output_type"):
         pipe([0], num_iter=2, speculative=False, output_type="jpg")
+
+
+def test_bad_models_are_refused():
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    m, ok = tiny_mar(), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="drafter dtype"):
+        sample_mar(m, ok, num_iter=4, drafter=tiny_mar(seed=2, dtype=torch.float32))
+    with pytest.raises(TypeError, match="drafter must be a mmspec.models.mar.MARModel"):
+        sample_mar(m, ok, num_iter=4, drafter=torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="target must be"):
+        sample_mar(torch.nn.Linear(2, 2), ok, num_iter=4)
+    with pytest.raises(TypeError, match="drafter must be"):
+        SpeculativeMARPipeline(transformer=m, vae=tiny_vae(), drafter=torch.nn.Linear(2, 2))([0], num_iter=2)
+
+
+def test_saved_folder_with_another_architecture_is_refused(tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    SpeculativeMARPipeline(transformer=tiny_mar(dtype=torch.float32), vae=tiny_vae(dtype=torch.float32),
+                           drafter=tiny_mar(seed=1, dtype=torch.float32)).save_pretrained(tmp_path / "p")
+    assert SpeculativeMARPipeline.from_pretrained(tmp_path / "p").drafter is not None  # the intact folder loads
+    # a VAE where the transformer should be (diffusers alone would load a randomly initialised MAR)
+    shutil.copytree(tmp_path / "p", tmp_path / "swap")
+    shutil.rmtree(tmp_path / "swap" / "transformer")
+    shutil.copytree(tmp_path / "p" / "vae", tmp_path / "swap" / "transformer")
+    with pytest.raises(ValueError, match="transformer: .* must hold a MARModel"):
+        SpeculativeMARPipeline.from_pretrained(tmp_path / "swap")
+    # right class name, weights of another MAR size: refused instead of half-initialised
+    shutil.copytree(tmp_path / "p", tmp_path / "wide")
+    cfg_path = tmp_path / "wide" / "drafter" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["encoder_depth"] = 2
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="drafter: the weights .*missing_keys.*encoder_blocks.1"):
+        SpeculativeMARPipeline.from_pretrained(tmp_path / "wide")
+    # an extra tensor in the weights file is refused too
+    shutil.copytree(tmp_path / "p", tmp_path / "extra")
+    (w,) = (tmp_path / "extra" / "transformer").glob("*.safetensors")
+    sd = load_file(w)
+    sd["not_a_mar_weight"] = torch.zeros(1)
+    save_file(sd, w)
+    with pytest.raises(ValueError, match="transformer: the weights .*unexpected_keys"):
+        SpeculativeMARPipeline.from_pretrained(tmp_path / "extra")

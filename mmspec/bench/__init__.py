@@ -5,5 +5,6 @@ Speed is always a ratio measured side by side in one run; nothing here is a test
 # (`mmspec bench` without a suite runs the core A/B table of mmspec/bench/core.py.)
 SUITES: dict[str, str] = {
     "core": "mmspec.bench.draft_length:main",
+    "mar": "mmspec.bench.mar:main",  # MAR: plain sampling vs CSpD
     "vlm": "mmspec.bench.vlm:main",
 }

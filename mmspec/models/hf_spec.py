@@ -105,7 +105,8 @@ class HFSpec(ForwardSpec):
         return self._run(input_ids, mask, positions, kv, features, keep=1, model_inputs=model_inputs)
 
     def forward(self, tokens, attention: Attention, kv: RaggedKV, features, *, last_only=False) -> SpecOutput:
-        mask = self._additive(attention)
+        # Everything visible and no sliding window: the model's own (mask-free) attention path.
+        mask = None if attention.full and self._windows is None else self._additive(attention)
         positions = self.positions(attention.q_pos)
         return self._run(tokens, mask, positions, kv, features, keep=1 if last_only else 0, model_inputs={})
 

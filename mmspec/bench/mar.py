@@ -1,0 +1,297 @@
+"""MAR benchmark (`mmspec bench mar`) and the MAR section of `mmspec demo`: plain MAR sampling
+against CSpD speculative sampling (`mmspec.pipelines.SpeculativeMARPipeline`) on a saved
+pipeline folder (default: the bundled testbed pair, assets/testbed/mar, when one is bundled).
+
+For each batch size it samples the same class labels with the same per-chunk seeds plainly
+and speculatively, in interleaved rounds (plain first in even rounds, CSpD first in odd ones;
+round 0 is an untimed warm-up), and reports the median wall-clock time, images per second,
+the speed-up of CSpD over plain sampling through the same MAR code, target and draft forwards
+per image (batched calls each image took part in; a CSpD verify call evaluates one prefix
+sequence per drafted step and row, so it costs more than a plain step), the acceptance rate of
+judged drafted tokens, residual samples and bounded acceptance-rejection fallbacks. With the
+judge on (`--judge DIR`; by default on only for folders trained by `mmspec testbed train-mar`,
+whose classes are the judge's) it scores `--judge-images` plain and CSpD images each (class
+accuracy, Frechet distance to the judge's real reference). CSpD is exact, so quality may only
+differ by sampling noise.
+
+Limits: timings are of this machine and its load (take them on a quiet machine with fixed
+--threads); MAR's token grid must be small for CPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
+
+JUDGE_DIR = Path(__file__).resolve().parents[2] / "assets" / "testbed" / "judge"
+JUDGE_IMAGE_SIZE = 64  # the testbed world's image size, which the judge was trained on
+METHODS = ("plain", "cspd")
+
+
+@dataclasses.dataclass(frozen=True)
+class MARBenchConfig:
+    model: str = str(BUNDLED_MAR)
+    batch_sizes: tuple[int, ...] = (1, 8)
+    num_images: int = 8  # images per method and batch size in each round
+    repeats: int = 3  # timed rounds (median); one untimed warm-up round first
+    num_iter: int | None = None  # None: the folder's default (mar_defaults)
+    guidance_scale: float | None = None
+    cfg_schedule: str = "linear"
+    temperature: float = 1.0
+    num_draft_steps: int = 4
+    prefill_fraction: float = 0.15
+    acceptance: str = "continuous"
+    seed: int = 0
+    threads: int | None = None
+    judge: str | None = None  # judge folder; None: no judge
+    judge_images: int = 256  # images per method for the judge
+
+    def __post_init__(self):
+        if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
+        for name in ("num_images", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.judge is not None and self.judge_images < 2:
+            raise ValueError(f"judge_images must be >= 2 (Frechet needs a covariance), got {self.judge_images}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+def _call(cfg: MARBenchConfig, defaults: dict) -> dict:
+    return dict(num_iter=cfg.num_iter if cfg.num_iter is not None else defaults["num_iter"],
+                guidance_scale=cfg.guidance_scale if cfg.guidance_scale is not None else defaults["guidance_scale"],
+                cfg_schedule=cfg.cfg_schedule, temperature=cfg.temperature, acceptance=cfg.acceptance,
+                num_draft_steps=cfg.num_draft_steps, prefill_fraction=cfg.prefill_fraction)
+
+
+def run_method(pipe, labels: list[int], B: int, speculative: bool, call: dict, seed: int) -> dict:
+    """Sample `labels` in chunks of B; chunk i uses seed (seed, i) for both methods, so plain and
+    CSpD share the generation orders and diffusion noise of every image."""
+    t = dict(target=0, draft=0, accepted=0, judged=0, drafted=0, residual=0, fallbacks=0)
+    t0 = time.perf_counter()
+    for i in range(0, len(labels), B):
+        chunk = labels[i:i + B]
+        gen = torch.Generator().manual_seed(seed * 100_003 + i)
+        s = pipe(chunk, **call, speculative=speculative, generator=gen, output_type="latent").stats
+        n = len(chunk)
+        t["target"] += s.spec.target_calls * n
+        t["draft"] += s.spec.draft_calls * n
+        for key, value in (("accepted", s.accepted_tokens), ("judged", s.judged_tokens), ("drafted", s.drafted_tokens),
+                           ("residual", s.residual_tokens), ("fallbacks", s.fallbacks)):
+            t[key] += value
+    wall = time.perf_counter() - t0
+    N = len(labels)
+    return {"wall_s": wall, "target_forwards_per_image": t["target"] / N, "draft_forwards_per_image": t["draft"] / N,
+            "accepted_tokens": t["accepted"], "judged_tokens": t["judged"], "drafted_tokens": t["drafted"],
+            "residual_tokens": t["residual"], "fallbacks": t["fallbacks"]}
+
+
+def check_judge(pipe, judge_dir) -> None:
+    """The judge scores testbed-world images against its own classes: refuse other folders."""
+    from mmspec.testbed.judge_model import Judge
+
+    judge_cfg = Judge.from_pretrained(str(judge_dir)).config
+    n_cls, size = pipe.transformer.config.class_num, pipe.transformer.config.img_size
+    if n_cls != judge_cfg.num_classes or size != JUDGE_IMAGE_SIZE:
+        raise ValueError(f"judge={str(judge_dir)!r} scores {JUDGE_IMAGE_SIZE}x{JUDGE_IMAGE_SIZE} testbed images of "
+                         f"{judge_cfg.num_classes} classes; this MAR makes {size}x{size} images of {n_cls} classes "
+                         "(drop --judge)")
+
+
+def judge_quality(pipe, cfg: MARBenchConfig, call: dict, progress) -> dict:
+    from mmspec.testbed.judge_model import Judge
+
+    judge = Judge.from_pretrained(str(cfg.judge))
+    n_cls = pipe.transformer.config.class_num
+    labels = [i % n_cls for i in range(cfg.judge_images)]
+    out = {}
+    for method in METHODS:
+        pixels = []
+        for i in range(0, len(labels), 32):
+            gen = torch.Generator().manual_seed(cfg.seed + 7 + 1009 * i)  # same seeds for both methods
+            o = pipe(labels[i:i + 32], **call, speculative=method == "cspd", generator=gen, output_type="pt")
+            pixels.append(o.images * 2 - 1)
+        score = judge.score(torch.cat(pixels), labels)
+        out[method] = {"images": len(labels), **{k: round(v, 4) for k, v in score.items()}}
+        progress(f"judge {method}: {out[method]}")
+    return out
+
+
+def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    pipe = load_mar(cfg.model)
+    if pipe.drafter is None:
+        raise ValueError(f"model={cfg.model!r} has no drafter MAR: CSpD needs one")
+    if cfg.judge is not None:
+        check_judge(pipe, cfg.judge)
+    call = _call(cfg, mar_defaults(cfg.model, pipe))
+    t, d = pipe.transformer, pipe.drafter
+    report = {"config": {**dataclasses.asdict(cfg), **call}, "model": {
+        "target_parameters": sum(p.numel() for p in t.parameters()),
+        "drafter_parameters": sum(p.numel() for p in d.parameters()),
+        "image_tokens": t.seq_len, "token_dim": t.token_embed_dim, "classes": t.config.class_num,
+        "head_steps": t.config.num_sampling_steps, "image_size": t.config.img_size,
+        "torch_threads": torch.get_num_threads(),
+    }, "batches": []}
+    labels = [i % t.config.class_num for i in range(cfg.num_images)]
+    for B in cfg.batch_sizes:
+        runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+        for r in range(cfg.repeats + 1):  # round 0 warms up
+            for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
+                res = run_method(pipe, labels, B, m == "cspd", call, cfg.seed + r)
+                if r > 0:
+                    runs[m].append(res)
+            progress(f"batch {B}: round {r}/{cfg.repeats} done")
+        plain_wall = statistics.median(x["wall_s"] for x in runs["plain"])
+        rows = {}
+        for m in METHODS:
+            xs = runs[m]
+            wall = statistics.median(x["wall_s"] for x in xs)
+            judged = sum(x["judged_tokens"] for x in xs)
+            rows[m] = {
+                "wall_s": round(wall, 4), "images_per_s": round(cfg.num_images / wall, 3),
+                "speedup_vs_plain": round(plain_wall / wall, 3),
+                "target_forwards_per_image": round(statistics.mean(x["target_forwards_per_image"] for x in xs), 3),
+                "draft_forwards_per_image": round(statistics.mean(x["draft_forwards_per_image"] for x in xs), 3),
+                "acceptance_rate": round(sum(x["accepted_tokens"] for x in xs) / judged, 4) if judged else None,
+                "drafted_tokens": sum(x["drafted_tokens"] for x in xs),
+                "residual_tokens": sum(x["residual_tokens"] for x in xs),
+                "fallbacks": sum(x["fallbacks"] for x in xs),
+            }
+        report["batches"].append({"batch_size": B, "methods": rows})
+    if cfg.judge is not None:
+        report["judge"] = judge_quality(pipe, cfg, call, progress)
+    return report
+
+
+def format_table(report: dict) -> str:
+    m, c = report["model"], report["config"]
+    lines = [f"MAR, plain vs CSpD: target {m['target_parameters'] / 1e6:.2f}M params, drafter "
+             f"{m['drafter_parameters'] / 1e6:.2f}M, {m['image_tokens']} tokens x {m['token_dim']} dims/image, "
+             f"{c['num_iter']} steps, guidance {c['guidance_scale']} ({c['cfg_schedule']}), "
+             f"{c['num_draft_steps']} draft steps/round, threads {m['torch_threads']}"]
+    for e in report["batches"]:
+        lines.append(f"\nbatch {e['batch_size']} ({c['num_images']} images per run, median of {c['repeats']} runs)")
+        lines.append(f"{'method':<8}{'tgt fwd/img':>12}{'drf fwd/img':>12}{'accept':>8}{'fallbacks':>10}"
+                     f"{'img/s':>9}{'speed-up':>10}")
+        for name, r in e["methods"].items():
+            acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+            lines.append(f"{name:<8}{r['target_forwards_per_image']:>12.2f}{r['draft_forwards_per_image']:>12.2f}"
+                         f"{acc:>8}{r['fallbacks']:>10}{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x")
+    if "judge" in report:
+        lines.append("\njudge (class accuracy, Frechet):")
+        for name, s in report["judge"].items():
+            lines.append(f"  {name:<8} {s['images']} images: accuracy {s['accuracy']:.3f}  frechet {s['frechet']:.3f}")
+    return "\n".join(lines)
+
+
+def save(report: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _batch_sizes(values: list[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for v in values for x in v.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"mmspec bench mar: --batch-sizes takes integers, got {values}") from None
+
+
+def _judge_default(model: str) -> str | None:
+    """The judge is on by default only for folders trained by `mmspec testbed train-mar` (their
+    metrics.json holds judge scores), whose classes are the testbed judge's."""
+    metrics = Path(model) / "metrics.json"
+    if not (JUDGE_DIR / "config.json").is_file() or not metrics.is_file():
+        return None
+    try:
+        return str(JUDGE_DIR) if "judge_vae_recon" in json.loads(metrics.read_text()) else None
+    except ValueError:
+        return None
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="mmspec bench mar", description="MAR: plain sampling vs CSpD speculative "
+                                "sampling on a SpeculativeMARPipeline folder (speed-up, forwards, acceptance)")
+    p.add_argument("--model", default=None, help=f"SpeculativeMARPipeline folder (default: the bundled {BUNDLED_MAR})")
+    p.add_argument("--batch-sizes", nargs="+", default=["1", "8"], help="batch sizes (default 1 8)")
+    p.add_argument("--num-images", type=int, default=8, help="images per method and batch size per run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (median), after one warm-up")
+    p.add_argument("--num-iter", type=int, default=None, help="generation steps (default: the folder's)")
+    p.add_argument("--guidance-scale", type=float, default=None, help="default: the folder's, else 3.0")
+    p.add_argument("--cfg-schedule", choices=("linear", "constant"), default="linear")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--num-draft-steps", type=int, default=4)
+    p.add_argument("--prefill-fraction", type=float, default=0.15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    j = p.add_mutually_exclusive_group()
+    j.add_argument("--judge", default=None, help="testbed judge folder: score plain and CSpD images "
+                   "(default: on for folders made by `mmspec testbed train-mar`)")
+    j.add_argument("--no-judge", action="store_true", help="never run the judge")
+    p.add_argument("--judge-images", type=int, default=256, help="images per method for the judge")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    args = p.parse_args(argv)
+    model = args.model
+    if model is None:
+        if not is_mar_folder(BUNDLED_MAR):
+            raise SystemExit(f"mmspec bench mar: no --model given and no bundled MAR pair at {BUNDLED_MAR}; {MAKE_ONE}")
+        model = str(BUNDLED_MAR)
+    elif not is_mar_folder(model):
+        raise SystemExit(f"mmspec bench mar: {model} is not a SpeculativeMARPipeline folder (its model_index.json "
+                         f"must name SpeculativeMARPipeline); {MAKE_ONE}")
+    judge = None if args.no_judge else (args.judge or _judge_default(model))
+    try:
+        cfg = MARBenchConfig(model=model, batch_sizes=_batch_sizes(args.batch_sizes), num_images=args.num_images,
+                             repeats=args.repeats, num_iter=args.num_iter, guidance_scale=args.guidance_scale,
+                             cfg_schedule=args.cfg_schedule, temperature=args.temperature,
+                             num_draft_steps=args.num_draft_steps, prefill_fraction=args.prefill_fraction,
+                             seed=args.seed, threads=args.threads, judge=judge, judge_images=args.judge_images)
+        report = run(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as e:
+        raise SystemExit(f"mmspec bench mar: {e}") from None
+    print(format_table(report))
+    if args.json:
+        save(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def demo_section(out_dir: str, model=BUNDLED_MAR, threads: int | None = 2, progress=lambda m: None) -> str:
+    """The MAR section of `mmspec demo`: one timed round of plain vs CSpD sampling at batch 1 and
+    8 on the same labels and seeds, and a two-row PNG (plain above, CSpD below, same seeds) in
+    `out_dir`. Returns the text to print: a one-line skip notice when no MAR pair is bundled
+    (checked before any model is loaded, so an absent pair costs nothing)."""
+    if not is_mar_folder(model):
+        return (f"(MAR section skipped: no bundled MAR pair at {model}; make one with "
+                "`mmspec testbed train-mar --out DIR`, then run `mmspec bench mar --model DIR`)")
+    from PIL import Image
+
+    cfg = MARBenchConfig(model=str(model), num_images=8, repeats=1, threads=threads)
+    report = run(cfg, progress)
+    pipe = load_mar(model)
+    call = _call(cfg, mar_defaults(model, pipe))
+    labels = [i % pipe.transformer.config.class_num for i in range(8)]
+    rows = [pipe(labels, **call, speculative=m == "cspd", generator=torch.Generator().manual_seed(cfg.seed)).images
+            for m in METHODS]
+    w, h = rows[0][0].size
+    s = 2
+    sheet = Image.new("RGB", (len(labels) * w * s, len(rows) * h * s), (255, 255, 255))
+    for r, images in enumerate(rows):
+        for c, img in enumerate(images):
+            sheet.paste(img.resize((w * s, h * s), Image.NEAREST), (c * w * s, r * h * s))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    grid = Path(out_dir) / "mar_plain_vs_cspd.png"
+    sheet.save(grid)
+    save(report, str(Path(out_dir) / "mar_demo.json"))
+    return format_table(report) + f"\n\nsame seeds, top row plain, bottom row CSpD: {grid}"

@@ -1,0 +1,187 @@
+"""`mmspec generate` on MAR folders (continuous tokens, CSpD), and the helpers that tell a MAR
+pipeline folder from a discrete image-generator folder. Imports stay inside the functions, so
+`mmspec --help` stays instant.
+
+    mmspec generate --model DIR --class N [N ...] [--num-images K] [--num-iter S] [--guidance-scale G]
+                    [--cfg-schedule linear|constant] [--temperature T] [--num-draft-steps K]
+                    [--prefill-fraction F] [--acceptance continuous] [--compare] [--json] --out DIR
+
+A folder is a MAR folder when its model_index.json names `SpeculativeMARPipeline` (never
+guessed from the path). Options of the other kind of pipeline are refused, naming the option:
+MAR folders take no Jacobi drafter, window, coupling, top-k or discrete acceptance rule;
+discrete folders take no --num-iter, --cfg-schedule, --num-draft-steps or --prefill-fraction.
+`--compare` also samples plainly (the same MAR code without the drafter) on the same seed and
+writes both images side by side; CSpD samples are distributed like plain ones, not equal to
+them, so the two images of a pair differ where a draft was rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+# The bundled testbed MAR pair, found from the package location (absent until one is trained
+# and bundled: `mmspec testbed train-mar --out DIR`).
+BUNDLED_MAR = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "mar"
+MAKE_ONE = "make one with `mmspec testbed train-mar --out DIR` and pass --model DIR"
+
+# generate options that only MAR folders take (dest names; their parser default is None)
+MAR_ONLY = {"num_iter": "--num-iter", "cfg_schedule": "--cfg-schedule", "num_draft_steps": "--num-draft-steps",
+            "prefill_fraction": "--prefill-fraction"}
+# generate options that only discrete (SpeculativeARImagePipeline) folders take
+DISCRETE_ONLY = {"window": "--window", "coupling": "--coupling", "top_k": "--top-k"}
+DISCRETE_DEFAULTS = {"acceptance": "exact", "window": 16, "coupling": "maximal"}
+
+
+def is_mar_folder(path) -> bool:
+    """True when `path` is a saved `SpeculativeMARPipeline` (by its model_index.json)."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return False
+    try:
+        return json.loads(index.read_text()).get("_class_name") == "SpeculativeMARPipeline"
+    except (OSError, ValueError):
+        return False
+
+
+def load_mar(path, dtype=None):
+    """The pipeline in float32 (the bundled pair is stored fp16, which CPUs run slowly)."""
+    import torch
+
+    from mmspec.pipelines.mar_pipeline import SpeculativeMARPipeline
+
+    pipe = SpeculativeMARPipeline.from_pretrained(str(path), torch_dtype=dtype or torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def mar_defaults(path, pipe) -> dict:
+    """Sampling defaults of a folder: the `eval_num_iter` / `eval_guidance` that
+    `mmspec testbed train-mar` stores in metrics.json, else MAR's 64 steps (at most one per
+    token) and guidance 3.0."""
+    out = {"num_iter": min(64, pipe.transformer.seq_len), "guidance_scale": 3.0}
+    metrics = Path(path) / "metrics.json"
+    if metrics.is_file():
+        try:
+            cfg = json.loads(metrics.read_text()).get("config", {})
+        except ValueError:
+            cfg = {}
+        if isinstance(cfg.get("eval_num_iter"), int):
+            out["num_iter"] = cfg["eval_num_iter"]
+        if isinstance(cfg.get("eval_guidance"), (int, float)):
+            out["guidance_scale"] = float(cfg["eval_guidance"])
+    return out
+
+
+def add_generate_options(p) -> None:
+    """The MAR options of `mmspec generate` (default None = the folder's default)."""
+    g = p.add_argument_group("MAR folders (SpeculativeMARPipeline)")
+    g.add_argument("--num-iter", type=int, default=None, help="generation steps (default: the folder's, else 64)")
+    g.add_argument("--cfg-schedule", choices=("linear", "constant"), default=None, help="default linear")
+    g.add_argument("--num-draft-steps", type=int, default=None, help="generation steps drafted per round (default 4)")
+    g.add_argument("--prefill-fraction", type=float, default=None,
+                   help="fraction of the steps the target runs itself first (default 0.15)")
+
+
+def check_discrete_options(args, model: str) -> None:
+    """For a discrete folder: refuse the MAR-only options and fill in the discrete defaults."""
+    for dest, flag in MAR_ONLY.items():
+        if getattr(args, dest, None) is not None:
+            raise SystemExit(f"mmspec generate: {flag} is for MAR folders (SpeculativeMARPipeline); {model} is a "
+                             "discrete-token image generator (drop the option)")
+    for dest, value in DISCRETE_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, value)
+
+
+def _check_mar_options(args, model: str) -> None:
+    from mmspec.acceptance import CONTINUOUS_RULES
+
+    if args.drafter == "jacobi":
+        raise SystemExit(f"mmspec generate: --drafter jacobi is for discrete-token generators; {model} is a MAR "
+                         "folder, whose drafter is its own small MAR (drop --drafter or use --drafter model)")
+    for dest, flag in DISCRETE_ONLY.items():
+        if getattr(args, dest, None) is not None:
+            raise SystemExit(f"mmspec generate: {flag} is for discrete-token generators; {model} is a MAR folder "
+                             "(drop the option)")
+    if args.acceptance is not None and args.acceptance not in CONTINUOUS_RULES:
+        raise SystemExit(f"mmspec generate: --acceptance {args.acceptance} is not a continuous-token rule; MAR "
+                         f"folders take one of {sorted(CONTINUOUS_RULES)}")
+
+
+def cmd_generate_mar(args, model: str) -> int:
+    """`mmspec generate` for a MAR folder (see the module docstring)."""
+    import torch
+
+    _check_mar_options(args, model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        pipe = load_mar(model)
+    except ValueError as e:
+        raise SystemExit(f"mmspec generate: {e}") from None
+    pipe.set_progress_bar_config(disable=args.json)
+    if pipe.drafter is None:
+        raise SystemExit(f"mmspec generate: {model} has no drafter MAR, so it cannot sample speculatively")
+    n_cls = pipe.transformer.config.class_num
+    bad = [c for c in args.class_ if not 0 <= c < n_cls]
+    if bad:
+        raise SystemExit(f"mmspec generate: --class {bad[0]} is out of range: this MAR has classes 0..{n_cls - 1}")
+    if args.num_images < 1:
+        raise SystemExit(f"mmspec generate: --num-images must be >= 1, got {args.num_images}")
+    defaults = mar_defaults(model, pipe)
+    call = dict(num_iter=args.num_iter if args.num_iter is not None else defaults["num_iter"],
+                guidance_scale=args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"],
+                cfg_schedule=args.cfg_schedule or "linear", temperature=args.temperature,
+                acceptance=args.acceptance or "continuous",
+                num_draft_steps=args.num_draft_steps if args.num_draft_steps is not None else 4,
+                prefill_fraction=args.prefill_fraction if args.prefill_fraction is not None else 0.15)
+    labels = [c for c in args.class_ for _ in range(args.num_images)]
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        if args.compare:  # warm both paths up (first calls pay one-off costs), untimed
+            pipe(labels[:1], **call, output_type="latent", generator=torch.Generator().manual_seed(args.seed))
+            pipe(labels[:1], **call, speculative=False, output_type="latent",
+                 generator=torch.Generator().manual_seed(args.seed))
+        t0 = time.perf_counter()
+        out = pipe(labels, **call, generator=torch.Generator().manual_seed(args.seed))
+        spec_s = time.perf_counter() - t0
+    except ValueError as e:
+        raise SystemExit(f"mmspec generate: {e}") from None
+    names = [f"class{c:02d}_{i % args.num_images}.png" for i, c in enumerate(labels)]
+    for img, name in zip(out.images, names):
+        img.save(os.path.join(args.out, name))
+    s = out.stats
+    summary = {"model": model, "pipeline": "SpeculativeMARPipeline", "classes": args.class_, "images": len(labels),
+               **call, "speculative": "cspd", "seed": args.seed, "seconds": round(spec_s, 3),
+               "target_forwards_per_image": round(s.target_forwards_per_image, 3),
+               "draft_forwards_per_image": float(s.spec.draft_calls), "acceptance_rate": round(s.acceptance_rate, 4),
+               "accepted_tokens": s.accepted_tokens, "judged_tokens": s.judged_tokens,
+               "residual_tokens": s.residual_tokens, "fallbacks": s.fallbacks, "files": names}
+    if args.compare:
+        from mmspec.cli import _side_by_side
+
+        t0 = time.perf_counter()
+        plain = pipe(labels, **call, speculative=False, generator=torch.Generator().manual_seed(args.seed))
+        plain_s = time.perf_counter() - t0
+        for img, name in zip(plain.images, names):
+            img.save(os.path.join(args.out, "plain_" + name))
+        _side_by_side(out.images, plain.images, os.path.join(args.out, "compare.png"))
+        summary.update(plain_seconds=round(plain_s, 3), speedup=round(plain_s / spec_s, 3),
+                       plain_target_forwards_per_image=round(plain.stats.target_forwards_per_image, 3),
+                       compare="compare.png")
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"wrote {len(labels)} images to {args.out} in {spec_s:.2f}s (CSpD, acceptance={call['acceptance']}, "
+          f"{call['num_iter']} steps); acceptance rate {s.acceptance_rate:.3f}, target forwards per image "
+          f"{s.target_forwards_per_image:.0f}, draft forwards per image {s.spec.draft_calls}, fallbacks {s.fallbacks}")
+    if args.compare:
+        print(f"plain MAR sampling: {plain_s:.2f}s, {plain.stats.target_forwards_per_image:.0f} target forwards per "
+              f"image; speed-up {plain_s / spec_s:.2f}x; side by side in {os.path.join(args.out, 'compare.png')} "
+              "(left: CSpD, right: plain, same seed; equal in distribution, not pixel for pixel)")
+    return 0

@@ -1,0 +1,147 @@
+"""`mmspec generate`, `mmspec bench mar` and the MAR section of `mmspec demo` on tiny random MAR
+pairs saved with save_pretrained: MAR folders are told from discrete ones by model_index.json,
+options of the other kind are refused, --compare uses the same seeds (a drafter equal to the
+target gives the plain images exactly), the JSON reports carry their fields."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmspec.cli import main
+
+from test_mar_cspd import tiny_mar, tiny_vae
+
+
+def save_pair(path, drafter="other", metrics=None, **over):
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    # the x0 clamp (as the testbed pair has) keeps a random head from diverging at t = 999, where
+    # float32 rounding would be amplified ~1e4 times and even an identical drafter be rejected
+    over = {"diffloss_clip_x0": 4.0, **over}
+    target = tiny_mar(dtype=torch.float32, **over)
+    d = copy.deepcopy(target) if drafter == "same" else tiny_mar(seed=3, dtype=torch.float32, **over)
+    vae_levels = {16: 3, 64: 5}[target.config.img_size]
+    SpeculativeMARPipeline(transformer=target, vae=tiny_vae(levels=vae_levels, dtype=torch.float32),
+                           drafter=d).save_pretrained(path)
+    if metrics is not None:
+        (path / "metrics.json").write_text(json.dumps(metrics))
+    return path
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    # named like a discrete generator on purpose: detection reads model_index.json, not the path
+    return save_pair(tmp_path_factory.mktemp("m") / "imagegen", metrics={"config": {"eval_num_iter": 4}})
+
+
+def _generate(folder, out, *extra):
+    main(["generate", "--model", str(folder), "--out", str(out), "--threads", "1", *extra])
+
+
+def test_generate_compare_json(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    _generate(folder, out, "--class", "1", "3", "--num-images", "2", "--compare", "--json")
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["pipeline"] == "SpeculativeMARPipeline" and s["images"] == 4 and s["num_iter"] == 4  # metrics.json default
+    assert s["plain_target_forwards_per_image"] == 4.0  # plain MAR: one target call per step
+    assert s["target_forwards_per_image"] <= 4.0 and s["draft_forwards_per_image"] > 0
+    assert 0.0 <= s["acceptance_rate"] <= 1.0 and s["fallbacks"] >= 0 and s["speedup"] > 0
+    assert s["judged_tokens"] > 0 and s["accepted_tokens"] <= s["judged_tokens"]
+    for name in s["files"]:
+        assert Image.open(out / name).size == (16, 16) and (out / ("plain_" + name)).is_file()
+    assert Image.open(out / "compare.png").size == (2 * 32 + 4, 4 * 32)
+    assert json.loads((out / "summary.json").read_text())["files"] == s["files"]
+
+
+def test_generate_compare_uses_the_same_seed(tmp_path, capsys):
+    # drafter == target: every draft is accepted and CSpD reproduces plain sampling image for image
+    folder = save_pair(tmp_path / "same", drafter="same")
+    out = tmp_path / "out"
+    _generate(folder, out, "--class", "0", "4", "--num-iter", "6", "--guidance-scale", "2", "--compare", "--json")
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["acceptance_rate"] == 1.0 and s["residual_tokens"] == 0 and s["target_forwards_per_image"] < 6
+    for name in s["files"]:
+        assert np.array_equal(np.asarray(Image.open(out / name)), np.asarray(Image.open(out / ("plain_" + name))))
+
+
+def test_generate_refuses_options_of_the_other_kind(folder, tmp_path):
+    from test_ar_image_pipeline import make_pipe
+
+    bad = [(("--drafter", "jacobi"), "--drafter jacobi"), (("--acceptance", "lantern"), "continuous-token rule"),
+           (("--window", "8"), "--window"), (("--top-k", "5"), "--top-k"), (("--coupling", "gumbel"), "--coupling")]
+    for extra, msg in bad:
+        with pytest.raises(SystemExit, match=msg):
+            _generate(folder, tmp_path / "x", "--class", "1", *extra)
+    with pytest.raises(SystemExit, match="--class 5 is out of range: this MAR has classes 0..4"):
+        _generate(folder, tmp_path / "x", "--class", "1", "5")
+    for n in ("0", "17"):  # 16 tokens
+        with pytest.raises(SystemExit, match="num_iter must be an int in \\[1, 16\\]"):
+            _generate(folder, tmp_path / "x", "--class", "1", "--num-iter", n)
+    discrete = tmp_path / "mar"  # a discrete generator in a folder named like a MAR one
+    make_pipe(torch.float32).save_pretrained(discrete)
+    for extra, flag in ((("--num-iter", "4"), "--num-iter"), (("--cfg-schedule", "constant"), "--cfg-schedule"),
+                        (("--num-draft-steps", "2"), "--num-draft-steps")):
+        with pytest.raises(SystemExit, match=f"{flag} is for MAR folders"):
+            _generate(discrete, tmp_path / "x", "--class", "1", *extra)
+
+
+def test_bench_mar_json(folder, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "2", "--num-images", "3", "--repeats", "1",
+          "--threads", "1", "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert [b["batch_size"] for b in report["batches"]] == [1, 2] and "judge" not in report  # judge off by default
+    assert report["config"]["num_iter"] == 4 and report["model"]["image_tokens"] == 16
+    for b in report["batches"]:
+        plain, cspd = b["methods"]["plain"], b["methods"]["cspd"]
+        assert plain["target_forwards_per_image"] == 4.0 and plain["draft_forwards_per_image"] == 0
+        assert plain["speedup_vs_plain"] == 1.0 and plain["acceptance_rate"] is None
+        assert cspd["target_forwards_per_image"] <= 4.0 and cspd["draft_forwards_per_image"] > 0
+        assert 0.0 <= cspd["acceptance_rate"] <= 1.0 and cspd["fallbacks"] >= 0 and cspd["speedup_vs_plain"] > 0
+    text = capsys.readouterr().out
+    assert "speed-up" in text and "cspd" in text
+
+
+def test_bench_mar_refusals(folder, tmp_path, monkeypatch):
+    import mmspec.bench.mar as bench_mar
+
+    monkeypatch.setattr(bench_mar, "BUNDLED_MAR", tmp_path / "no_such_pair")
+    with pytest.raises(SystemExit, match="no --model given and no bundled MAR pair.*mmspec testbed train-mar --out DIR"):
+        main(["bench", "mar"])
+    with pytest.raises(SystemExit, match="not a SpeculativeMARPipeline folder"):
+        main(["bench", "mar", "--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match="scores 64x64 testbed images of 32 classes; this MAR makes 16x16 images of 5"):
+        main(["bench", "mar", "--model", str(folder), "--judge", str(bench_mar.JUDGE_DIR), "--num-images", "1"])
+    # the judge is on by default only for folders that `mmspec testbed train-mar` made
+    assert bench_mar._judge_default(str(folder)) is None
+    trained = save_pair(tmp_path / "trained", metrics={"judge_vae_recon": {"accuracy": 0.5}})
+    assert bench_mar._judge_default(str(trained)) == str(bench_mar.JUDGE_DIR)
+
+
+def test_bench_mar_judge_scores_both_methods(tmp_path):
+    from mmspec.bench.mar import JUDGE_DIR, MARBenchConfig, run
+
+    folder = save_pair(tmp_path / "world", img_size=64, vae_stride=16, class_num=32)
+    report = run(MARBenchConfig(model=str(folder), batch_sizes=(2,), num_images=2, repeats=1, num_iter=3,
+                                threads=1, judge=str(JUDGE_DIR), judge_images=4))
+    for m in ("plain", "cspd"):
+        s = report["judge"][m]
+        assert s["images"] == 4 and 0.0 <= s["accuracy"] <= 1.0 and s["frechet"] >= 0.0
+
+
+def test_demo_mar_section(folder, tmp_path):
+    from mmspec.bench.mar import demo_section
+
+    text = demo_section(str(tmp_path / "demo"), model=tmp_path / "absent")
+    assert "\n" not in text and "MAR section skipped" in text and "mmspec testbed train-mar" in text
+    assert not (tmp_path / "demo").exists()
+    text = demo_section(str(tmp_path / "demo"), model=folder, threads=1)
+    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 2 * 32)
+    report = json.loads((tmp_path / "demo" / "mar_demo.json").read_text())
+    assert [b["batch_size"] for b in report["batches"]] == [1, 8] and "speed-up" in text
