@@ -70,6 +70,12 @@ class ChainRule:
         can move the output away from p, or None for lossless rules."""
         return None
 
+    def distortion_given(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                         alpha: torch.Tensor) -> torch.Tensor | None:
+        """`distortion(x, p, q)` when the loop already holds `alpha = accept_probability(x, p, q)`
+        [M]; rules whose distortion is a function of alpha override it to skip recomputing it."""
+        return self.distortion(x, p, q)
+
     def verify(
         self,
         draft_tokens: torch.Tensor,  # [B, K]
@@ -119,8 +125,9 @@ class ChainRule:
         resid = self.residual(x_at, p_at, q_at)
         final = torch.where((num_accepted == K).unsqueeze(-1), target_probs[:, K], resid)
         next_tokens = self.sample(final, generator)
-        dist = self.distortion(
-            x.reshape(-1), p.reshape(-1, V), None if draft_probs is None else draft_probs.reshape(-1, V)
+        dist = self.distortion_given(
+            x.reshape(-1), p.reshape(-1, V), None if draft_probs is None else draft_probs.reshape(-1, V),
+            alpha.reshape(-1),
         )
         step_distortion = None
         if dist is not None:

@@ -114,7 +114,11 @@ class GroupedAcceptance(ChainRule):
         return exact_residual(x, p, q)
 
     def distortion(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
-        alpha = self.accept_probability(x, p, q)
+        return self.distortion_given(x, p, q, self.accept_probability(x, p, q))
+
+    def distortion_given(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                         alpha: torch.Tensor) -> torch.Tensor:
+        # The cluster (a sort of p per candidate) is computed once per step, in accept_probability.
         px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
         qx = torch.ones_like(px) if q is None else q.gather(-1, x.unsqueeze(-1)).squeeze(-1)
         return (qx * alpha - px).clamp_min(0.0)

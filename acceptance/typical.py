@@ -60,5 +60,9 @@ class TypicalAcceptance(ChainRule):
         return p
 
     def distortion(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        return self.distortion_given(x, p, q, self.accept_probability(x, p, q))
+
+    def distortion_given(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                         alpha: torch.Tensor) -> torch.Tensor:
         px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
-        return self.accept_probability(x, p, q) * (1.0 - px)
+        return alpha * (1.0 - px)

@@ -113,7 +113,8 @@ class AcceptanceRule(Protocol):
       prefers it since it builds well-formed inputs itself.
     - `at_temperature_zero() -> AcceptanceRule`: the rule to use for greedy decoding (exact
       verification of one-hot targets is greedy verification).
-    - `distortion(x, p, q) -> [M]`: total variation a lossy rule moves (reported in stats)."""
+    - `distortion(x, p, q) -> [M]`: total variation a lossy rule moves (reported in stats);
+      optionally `distortion_given(x, p, q, alpha)`, the same from an alpha already computed."""
 
     lossless: bool
 

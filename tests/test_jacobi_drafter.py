@@ -143,15 +143,17 @@ def test_guided_model_drafter_exact_sampling_matches_guided_joint():
 
 
 def test_coupled_drafts_accept_more_per_forward_than_uncoupled():
-    """Fixed-seed run (batch 32, 16 tokens, CFG, temperature 1) on a nearly Markov GPT (attention
-    output scaled by 0.05: the next token depends mostly on the current one, as in smooth image
+    """Fixed-seed run (batch 128, 16 tokens, CFG, temperature 1) on a Markov GPT (attention
+    output zeroed: the next token depends only on the current one, the extreme of smooth image
     regions). Uncoupled SJD resamples every window position each iteration, so the target's
-    outputs downstream of it are stale; coupled drafts keep what still fits."""
+    outputs downstream of it are stale; coupled drafts keep what still fits. Measured over
+    seeds 0-2: uncoupled 1.16-1.18 tokens per forward, maximal 1.28-1.33, Gumbel 1.27-1.29
+    (seed-to-seed spread ~0.02), so the 0.05 margin is several spreads from both sides."""
     gpt = tiny_gpt(4, scale=0.6)
     with torch.no_grad():
         for layer in gpt.layers:
-            layer.attention.wo.weight.mul_(0.05)
-    labels = torch.arange(32) % NUM_CLASSES
+            layer.attention.wo.weight.zero_()
+    labels = torch.arange(128) % NUM_CLASSES
     length = {}
     for coupling in (None, "maximal", "gumbel"):
         _, stats = run(llamagen_target(gpt, 2.0), JacobiDrafter(6, coupling, vocab_size=24), labels,
