@@ -46,6 +46,8 @@ class VLMBenchConfig:
     threads: int | None = None
     seed: int = 0
     verify_widths: tuple[int, ...] = (1, 2, 4, 6, 8, 16)
+    # (depth, top_k, num_nodes): also run every drafter with this dynamic tree ("<name>+tree")
+    tree: tuple[int, int, int] | None = None
 
     def __post_init__(self):
         if self.num_scenes < 1 or self.repeats < 1 or self.max_new_tokens < 1:
@@ -55,6 +57,8 @@ class VLMBenchConfig:
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {self.tasks}")
+        if self.tree is not None and (len(self.tree) != 3 or min(self.tree) < 1):
+            raise ValueError(f"tree must be three ints >= 1 (depth, top_k, num_nodes), got {self.tree}")
         if 1 not in self.verify_widths:
             raise ValueError("verify_widths must include 1 (the one-token forward every ratio is taken against)")
 
@@ -66,6 +70,23 @@ def load_pipeline(model: str):
         raise ValueError(f"no saved SpeculativeVLMPipeline at {model} (model_index.json missing); pass --model DIR "
                          "(made by `mmspec testbed train-vlm` or SpeculativeVLMPipeline.save_pretrained)")
     return SpeculativeVLMPipeline.from_pretrained(model, dtype=torch.float32)
+
+
+def tree_variant(pipe, name: str, tree: tuple[int, int, int]) -> str:
+    """Register `<name>+tree`: the saved drafter `name` (same weights) drafting dynamic trees."""
+    import inspect
+
+    from mmspec.pipelines.vlm_drafter import DrafterComponent
+
+    comp = pipe.drafters[name]
+    params = inspect.signature(DrafterComponent.__init__).parameters
+    kwargs = {k: v for k, v in comp.config.items() if k in params and k != "self"}
+    kwargs.update(tree_depth=tree[0], tree_top_k=tree[1], tree_num_nodes=tree[2])
+    variant = DrafterComponent(**kwargs)
+    variant.load_state_dict(comp.state_dict())
+    torch.nn.Module.to(variant, pipe.target.dtype)
+    pipe.add_drafter(f"{name}+tree", variant, active=False)
+    return f"{name}+tree"
 
 
 def task_items(scenes, task: str) -> tuple[list, list]:
@@ -141,6 +162,8 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
     if unknown:
         raise ValueError(f"drafters {unknown} are not saved with {cfg.model}; it has {sorted(pipe.drafters)}")
     methods = ["plain"] + names
+    if cfg.tree is not None:
+        methods += [tree_variant(pipe, n, cfg.tree) for n in names]
     scenes = World(seed=cfg.seed, split="validation").sample(cfg.num_scenes)
     t = pipe.target
     report = {"config": dataclasses.asdict(cfg), "model": {
@@ -148,6 +171,8 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
         "drafter_parameters": {n: sum(p.numel() for p in d.parameters()) for n, d in pipe.drafters.items()},
         "drafter_kinds": {n: d.config.kind for n, d in pipe.drafters.items()},
         "num_draft_tokens": {n: d.config.num_draft_tokens for n, d in pipe.drafters.items()},
+        "trees": {n: ([d.config.tree_depth, d.config.tree_top_k, d.config.tree_num_nodes] if d.config.tree_depth
+                      else None) for n, d in pipe.drafters.items()},
         "default_drafter": next((n for n, d in pipe.drafters.items() if d is pipe.drafter), None),
         "visual_tokens": getattr(t.config, "image_seq_length", None), "torch_threads": torch.get_num_threads(),
     }, "runs": []}
@@ -181,21 +206,26 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
     return report
 
 
+def _shape(model: dict, name: str) -> str:
+    tree = model.get("trees", {}).get(name)
+    return f"tree depth {tree[0]} top-k {tree[1]} {tree[2]} nodes" if tree else f"K={model['num_draft_tokens'][name]}"
+
+
 def format_table(report: dict) -> str:
     m = report["model"]
     lines = [f"VLM: target {m['target_parameters'] / 1e6:.2f}M params, {m['visual_tokens']} visual tokens, drafters "
-             + ", ".join(f"{n} ({m['drafter_kinds'][n]}, {p / 1e6:.2f}M, K={m['num_draft_tokens'][n]})"
+             + ", ".join(f"{n} ({m['drafter_kinds'][n]}, {p / 1e6:.2f}M, {_shape(m, n)})"
                          for n, p in m["drafter_parameters"].items())
              + f"; default {m['default_drafter']}; threads {m['torch_threads']}"]
     for r in report["runs"]:
         ratio = r["verify_cost"]["ratio_to_one_token"]
         lines.append(f"\n{r['task']}, batch {r['batch_size']}, {r['scenes']} scenes; verify cost / one-token forward: "
                      + ", ".join(f"Q={q}: {v}x" for q, v in ratio.items()))
-        lines.append(f"{'method':<10}{'acc.len':>9}{'fwds':>7}{'wall s':>9}{'speed-up':>10}{'verify ms':>11}"
+        lines.append(f"{'method':<13}{'acc.len':>9}{'fwds':>7}{'wall s':>9}{'speed-up':>10}{'verify ms':>11}"
                      f"{'draft ms':>10}  identical")
         for name, x in r["methods"].items():
             d = "-" if x["drafter_ms_per_step"] is None else f"{x['drafter_ms_per_step']:.2f}"
-            lines.append(f"{name:<10}{x['mean_accepted_length']:>9.2f}{x['target_forwards']:>7}{x['wall_s']:>9.2f}"
+            lines.append(f"{name:<13}{x['mean_accepted_length']:>9.2f}{x['target_forwards']:>7}{x['wall_s']:>9.2f}"
                          f"{x['speedup_vs_plain']:>9.2f}x{x['verify_ms_per_forward']:>11.2f}{d:>10}  "
                          f"{'yes' if x['identical_to_plain'] else 'NO'}")
     return "\n".join(lines)
@@ -262,12 +292,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed rounds (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", type=ints, default=None,
+                   help="DEPTH,TOP_K,NODES: also run every drafter with this dynamic tree (method <name>+tree)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     a = p.parse_args(argv)
     try:
         config = VLMBenchConfig(model=a.model, num_scenes=a.num_scenes, batch_sizes=a.batch_sizes,
                                 drafters=a.drafters, tasks=a.tasks, max_new_tokens=a.max_new_tokens,
-                                repeats=a.repeats, threads=a.threads, seed=a.seed)
+                                repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree)
         report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None
