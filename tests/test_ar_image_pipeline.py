@@ -111,6 +111,25 @@ def test_pil_output_and_relaxed_rules():
     assert len(images) == 1 and tokens.shape == (1, 16) and stats.images == 1
 
 
+def test_lantern_default_neighbourhood_is_lanterns_fraction_of_the_codebook(monkeypatch):
+    # LANTERN's k = 1000 of 16384 codes, kept as a fraction of this codebook; an explicit k wins.
+    from mmspec.acceptance.lantern import LanternAcceptance
+
+    seen = []
+    init = LanternAcceptance.__init__
+
+    def spy(self, codebook, *args, **kwargs):
+        seen.append((codebook.shape[0], kwargs.get("k", args[0] if args else None)))
+        init(self, codebook, *args, **kwargs)
+
+    monkeypatch.setattr(LanternAcceptance, "__init__", spy)
+    pipe = make_pipe(torch.float32)
+    pipe([0], acceptance="lantern", generator=torch.Generator().manual_seed(0))
+    pipe([0], acceptance="lantern", acceptance_kwargs={"k": 3}, generator=torch.Generator().manual_seed(0))
+    V = seen[0][0]
+    assert seen == [(V, max(1, round(V * 1000 / 16384))), (V, 3)], seen
+
+
 def test_bad_input_is_refused_by_name(tmp_path):
     pipe = make_pipe(torch.float32)
     with pytest.raises(ValueError, match="unknown class id"):
