@@ -106,6 +106,28 @@ def test_custom_generate_refuses_inputs_embeds(target, good_drafter):
                         pad_token_id=0, custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
 
 
+def test_custom_generate_refuses_a_filled_cache_and_synced_gpus(target, good_drafter):
+    from transformers import DynamicCache
+
+    ids, mask = left_padded([5, 5])
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=ids[:, :3], attention_mask=mask[:, :3], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 3
+    with pytest.raises(ValueError, match="past_key_values already holds 3 cached tokens"):
+        target.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, pad_token_id=0,
+                        custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
+    with pytest.raises(ValueError, match="synced_gpus"):
+        speculative_decoding(target, ids, generation_config=target.generation_config, synced_gpus=True,
+                             drafter=ModelDrafter(good_drafter, 3), attention_mask=mask)
+    # An empty cache (what a caller may hand over for generate to fill) is not a refusal.
+    out = target.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=target.config),
+                          do_sample=False, max_new_tokens=4, pad_token_id=0, custom_generate=speculative_decoding,
+                          drafter=ModelDrafter(good_drafter, 3))
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
 def test_custom_generate_honours_explicit_stopping_criteria(target, good_drafter):
     """A MaxLengthCriteria / EosTokenCriteria passed explicitly replaces generate's own; the
     speculative output equals transformers' own decoding with the same list."""

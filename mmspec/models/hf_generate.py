@@ -147,6 +147,16 @@ def _stopping(stopping_criteria, prompt_len: int) -> tuple[int, list[int] | None
     return max_new, (sorted(set(eos)) if has_eos else None)
 
 
+def _cached_length(cache) -> int:
+    """Tokens already held by a transformers cache (a `Cache` or the legacy tuple of tuples)."""
+    if hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    try:
+        return int(cache[0][0].shape[-2])
+    except (TypeError, IndexError, AttributeError):
+        return 0
+
+
 def speculative_decoding(
     model,
     input_ids: torch.LongTensor,
@@ -170,6 +180,16 @@ def speculative_decoding(
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(
             "inputs_embeds is not supported by the speculative loop (the drafter needs token ids); pass input_ids"
+        )
+    if synced_gpus:
+        raise ValueError("synced_gpus=True is not supported by the speculative loop (rows finish at different "
+                         "steps on each rank); call generate without custom_generate for multi-GPU ZeRO-3 runs")
+    pkv = model_kwargs.get("past_key_values")
+    if pkv is not None and _cached_length(pkv) > 0:
+        raise ValueError(
+            f"past_key_values already holds {_cached_length(pkv)} cached tokens; the speculative loop builds its own "
+            "cache from the whole prompt and cannot continue a transformers cache: pass the full input_ids without "
+            "past_key_values"
         )
     cfg = generation_config
     _check_mode(cfg)
