@@ -48,6 +48,7 @@ class VLMBenchConfig:
     verify_widths: tuple[int, ...] = (1, 2, 4, 6, 8, 16)
     # (depth, top_k, num_nodes): also run every drafter with this dynamic tree ("<name>+tree")
     tree: tuple[int, int, int] | None = None
+    tree_drafters: tuple[str, ...] = ()  # () = every drafter benchmarked
 
     def __post_init__(self):
         if self.num_scenes < 1 or self.repeats < 1 or self.max_new_tokens < 1:
@@ -163,7 +164,10 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
         raise ValueError(f"drafters {unknown} are not saved with {cfg.model}; it has {sorted(pipe.drafters)}")
     methods = ["plain"] + names
     if cfg.tree is not None:
-        methods += [tree_variant(pipe, n, cfg.tree) for n in names]
+        bad = [n for n in cfg.tree_drafters if n not in names]
+        if bad:
+            raise ValueError(f"tree drafters {bad} are not among the benchmarked drafters {names}")
+        methods += [tree_variant(pipe, n, cfg.tree) for n in (cfg.tree_drafters or names)]
     scenes = World(seed=cfg.seed, split="validation").sample(cfg.num_scenes)
     t = pipe.target
     report = {"config": dataclasses.asdict(cfg), "model": {
@@ -294,12 +298,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree", type=ints, default=None,
                    help="DEPTH,TOP_K,NODES: also run every drafter with this dynamic tree (method <name>+tree)")
+    p.add_argument("--tree-drafters", type=names, default=(), help="drafters to run with --tree (default: all)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     a = p.parse_args(argv)
     try:
         config = VLMBenchConfig(model=a.model, num_scenes=a.num_scenes, batch_sizes=a.batch_sizes,
                                 drafters=a.drafters, tasks=a.tasks, max_new_tokens=a.max_new_tokens,
-                                repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree)
+                                repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree,
+                                tree_drafters=a.tree_drafters)
         report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None
