@@ -56,9 +56,8 @@ class ImageBenchConfig:
                 raise ValueError(f"{name} needs one value or one per batch size, got {getattr(self, name)}")
         if self.images < 1 or self.repeats < 1:
             raise ValueError("images and repeats must be >= 1")
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown methods {unknown}; known: {list(METHODS)}")
+        for m in self.methods:
+            method_spec(m)  # ValueError naming an unknown method
 
     def per_batch(self, name: str, i: int) -> int:
         values = getattr(self, name)
@@ -77,6 +76,22 @@ METHODS = {
     "gsd/model": ("model", None, "gsd"),
     "gsd/jacobi-maximal": ("jacobi", "maximal", "gsd"),
 }
+# Also run by default: Jacobi methods with a fixed window ("@W" overrides the per-batch window),
+# so that the window is chosen from measurements of the same run.
+WINDOW_METHODS = ("exact/jacobi-maximal@8", "exact/jacobi-gumbel@8", "gsd/jacobi-maximal@8")
+
+
+def method_spec(name: str) -> tuple[str, str | None, str, int | None]:
+    """"exact/jacobi-maximal@8" -> ("jacobi", "maximal", "exact", 8); no "@W": window None."""
+    base, _, window = name.partition("@")
+    if base not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known: {list(METHODS)} (Jacobi ones may end in @WINDOW)")
+    kind, coupling, acceptance = METHODS[base]
+    if not window:
+        return kind, coupling, acceptance, None
+    if kind != "jacobi" or not window.isdigit() or int(window) < 1:
+        raise ValueError(f"method {name!r}: only Jacobi methods take @WINDOW, a positive int")
+    return kind, coupling, acceptance, int(window)
 
 
 def load_pipeline(model: str):
@@ -96,7 +111,7 @@ def default_guidance(model: str) -> float:
     return 4.0
 
 
-def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int) -> None:
+def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window: int | None = None) -> None:
     from mmspec.drafters import JacobiDrafter
 
     settings = dict(pipe.config.drafter_config)
@@ -106,12 +121,12 @@ def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int) -> None
         pipe.drafter = gpt_drafter
         settings["num_draft_tokens"] = K
     elif kind == "jacobi":
-        pipe.drafter = JacobiDrafter(W, coupling)
+        pipe.drafter = JacobiDrafter(window or W, coupling)
     pipe.register_to_config(drafter_config=settings)
 
 
 def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConfig, scale: float, seed: int) -> dict:
-    kind, _, acceptance = METHODS[method]
+    kind, _, acceptance, _ = method_spec(method)
     gen = torch.Generator().manual_seed(seed)
     forwards, emitted, row_steps, calls, tokens = 0.0, 0, 0, 0, []
     t0 = time.perf_counter()
@@ -168,9 +183,9 @@ def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str],
     labels = [i % pipe.num_classes for i in range(cfg.judge_images)]
     out = {}
     for method in methods:
-        kind, coupling, acceptance = METHODS[method]
+        kind, coupling, acceptance, window = method_spec(method)
         _set_drafter(pipe, _drafter_model(pipe), kind, coupling, cfg.per_batch("draft_tokens", -1),
-                     cfg.per_batch("window", -1))
+                     cfg.per_batch("window", -1), window)
         gen = torch.Generator().manual_seed(cfg.seed + 7)
         pixels = []
         for i in range(0, len(labels), 32):
@@ -196,7 +211,8 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
     gpt_drafter = _drafter_model_of(pipe)
     _DRAFTER_MODEL[id(pipe)] = gpt_drafter
     scale = cfg.guidance_scale if cfg.guidance_scale is not None else default_guidance(cfg.model)
-    methods = list(cfg.methods) or [m for m in METHODS if gpt_drafter is not None or METHODS[m][0] != "model"]
+    methods = list(cfg.methods) or [m for m in (*METHODS, *WINDOW_METHODS)
+                                     if gpt_drafter is not None or method_spec(m)[0] != "model"]
     if "plain" not in methods:
         methods.insert(0, "plain")
     report = {"config": {**dataclasses.asdict(cfg), "guidance_scale": scale}, "model": {
@@ -212,8 +228,8 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for r in range(cfg.repeats + 1):  # round 0 warms up
             for m in methods:
-                kind, coupling, _ = METHODS[m]
-                _set_drafter(pipe, gpt_drafter, kind, coupling, K, W)
+                kind, coupling, _, window = method_spec(m)
+                _set_drafter(pipe, gpt_drafter, kind, coupling, K, W, window)
                 res = run_method(pipe, labels, B, m, cfg, scale, cfg.seed + r)
                 if r > 0:
                     runs[m].append(res)
@@ -228,12 +244,13 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
                 "forwards_per_image": round(statistics.mean(x["forwards_per_image"] for x in runs[m]), 3),
                 "batch_forwards": statistics.mean(x["batch_forwards"] for x in runs[m]),
                 "mean_accepted_length": round(statistics.mean(x["mean_accepted_length"] for x in runs[m]), 3),
-                "lossless": METHODS[m][2] == "exact",
+                "lossless": method_spec(m)[2] == "exact",
+                "window": (method_spec(m)[3] or W) if method_spec(m)[0] == "jacobi" else None,
             }
         entry["methods"] = rows
         report["batches"].append(entry)
     if cfg.judge_images > 0:
-        lossy = [m for m in methods if METHODS[m][2] != "exact"]
+        lossy = [m for m in methods if method_spec(m)[2] != "exact"]
         report["judge"] = judge_quality(pipe, cfg, scale, ["plain"] + lossy, progress)
     return report
 
@@ -276,7 +293,7 @@ def demo(model: str, out_dir: str, progress=lambda m: None, threads: int = 2) ->
     from PIL import Image, ImageDraw
 
     has_model = _drafter_model_of(load_pipeline(model)) is not None
-    methods = tuple(m for m in DEMO_METHODS if has_model or METHODS[m][0] != "model")
+    methods = tuple(m for m in DEMO_METHODS if has_model or method_spec(m)[0] != "model")
     cfg = ImageBenchConfig(model=model, images=8, repeats=1, methods=methods, threads=threads)
     report = run(cfg, progress)
     pipe = load_pipeline(model)
@@ -285,8 +302,9 @@ def demo(model: str, out_dir: str, progress=lambda m: None, threads: int = 2) ->
     labels = [i % pipe.num_classes for i in range(8)]
     rows = []
     for m in methods:
-        kind, coupling, acceptance = METHODS[m]
-        _set_drafter(pipe, gpt_drafter, kind, coupling, cfg.per_batch("draft_tokens", 1), cfg.per_batch("window", 1))
+        kind, coupling, acceptance, window = method_spec(m)
+        _set_drafter(pipe, gpt_drafter, kind, coupling, cfg.per_batch("draft_tokens", 1), cfg.per_batch("window", 1),
+                     window)
         out = pipe(labels, guidance_scale=scale, acceptance=acceptance, speculative=kind != "plain",
                    generator=torch.Generator().manual_seed(cfg.seed))
         rows.append((m, out.images))
