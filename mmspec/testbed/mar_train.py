@@ -238,7 +238,7 @@ def stage_eval(c, work, out_dir) -> dict:
     target = MARModel.from_pretrained(os.path.join(work, "target")).to(c.device).eval()
     drafter = MARModel.from_pretrained(os.path.join(work, "drafter")).to(c.device).eval()
     pipe = SpeculativeMARPipeline(transformer=target, vae=_load_vae(work, c.device), drafter=drafter)
-    result = evaluate(pipe, c)
+    result = evaluate(pipe, c, out_dir)
     pipe.to(torch.float16).save_pretrained(out_dir)
     return result
 
@@ -295,23 +295,29 @@ def run(c: MARTrainConfig, out_dir: str, stages=STAGES, work: str | None = None)
 
 
 @torch.no_grad()
-def evaluate(pipe, c: MARTrainConfig, judge_dir: str = "assets/testbed/judge") -> dict:
-    """Judge class accuracy and Frechet of `n_eval` plain and `n_eval` CSpD samples (class
-    labels 0..31 in turn, seed `c.seed`), with the sampler's counters."""
+def evaluate(pipe, c: MARTrainConfig, out_dir: str | None = None, judge_dir: str = "assets/testbed/judge") -> dict:
+    """Judge class / colour / shape accuracy and Frechet of `n_eval` plain and `n_eval` CSpD
+    samples (class labels 0..31 in turn, seed `c.seed`), with the sampler's counters; with
+    `out_dir`, a contact sheet of the first 128 plain samples under real scenes."""
+    from mmspec.testbed.imagegen_train import contact_sheet, judge_breakdown
     from mmspec.testbed.judge_model import Judge
 
     judge = Judge.from_pretrained(judge_dir)
     labels = torch.arange(c.n_eval) % 32
-    out = {}
+    out = {"eval_num_iter": c.eval_num_iter, "eval_guidance": c.eval_guidance}
     pipe.set_progress_bar_config(disable=True)
     for spec in (False, True):
         t = time.perf_counter()
         res = pipe(labels.tolist(), num_iter=c.eval_num_iter, guidance_scale=c.eval_guidance, speculative=spec,
                    generator=torch.Generator().manual_seed(c.seed), output_type="pt")
         name = "speculative" if spec else "plain"
-        out[name] = {**judge.score(res.images * 2 - 1, labels.tolist()), "seconds": round(time.perf_counter() - t, 2),
+        px = res.images.float().cpu() * 2 - 1
+        out[name] = {**judge_breakdown(judge, px, labels, 8), "seconds": round(time.perf_counter() - t, 2),
                      "target_calls": res.stats.spec.target_calls, "draft_calls": res.stats.spec.draft_calls,
                      "acceptance_rate": res.stats.acceptance_rate, "fallbacks": res.stats.fallbacks}
+        if out_dir is not None and not spec:
+            real, real_labels = scenes("validation", 256, c.seed)
+            contact_sheet(px[:128], labels[:128], real, real_labels, os.path.join(out_dir, "contact_sheet.png"))
     return out
 
 
