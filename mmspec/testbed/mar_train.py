@@ -32,8 +32,10 @@ Plain samples are NOT recognisable: judge class accuracy 16.0% of 256 (colour 62
 settings do not rescue it (64 samples: temperature 0.25-1.0, guidance 1.5-6, 16 or 64 steps:
 9-17%). Diagnosis: even inpainting with 75% of the true tokens given, the target's samples of
 the rest are off by MSE 0.89 (token variance 0.92; the mean of the 4 neighbours is off by
-0.20), i.e. the transformer + head learned weak conditionals in 3000 steps; longer training
-(with EMA, as official MAR) or a larger model is next, which needs more than one CPU core-hour.
+0.20), i.e. the transformer + head learned weak conditionals. More steps of this size do not
+help: 1800 further steps (constant lr 3e-4, EMA 0.998; exploratory, not this command) gave
+16.4% (raw) / 15.2% (EMA) on the same 256 labels and seed. Next: a larger transformer and head
+(or fewer latent channels), which needs more than one CPU core-hour (`--device cuda`).
 CSpD on this pair accepts nothing (acceptance 0.0, 16 target calls as plain): the last-step
 Gaussians have std 0.0064 while drafter and target means differ by ~0.10 (16 std).
 Run: `mmspec testbed train-mar --out DIR` (see `add_mar_command`).
