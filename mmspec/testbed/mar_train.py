@@ -4,21 +4,40 @@ smaller MAR drafter on its latents, for `SpeculativeMARPipeline`.
 What: 64x64 procedural-world scenes (`mmspec.testbed.world`) restricted to ONE object on a
 PLAIN background (32 classes = 4 shapes x 8 colours). Why this subset and grid: a CPU-trained
 generator must get shape and colour right to be recognisable, and every extra object or
-texture is capacity it does not have; the VAE downsamples by 16 (like MAR's KL-16) so an image
-is a 4 x 4 grid of 8-dim tokens — 16 tokens, which a small MAR can order and a small head
-can denoise in minutes, while the main object (diameter 22-36 px) still spans 2 tokens.
+texture is capacity it does not have. The VAE downsamples by 8 (3 levels) to an 8 x 8 grid of
+8-dim tokens: a first run at stride 16 (4 x 4 tokens) lost the shape already in the VAE
+(judge 19.9% on its reconstructions), as the 16x16 -> 8x8 VQ did for the discrete generator.
 
-Recipe: VAE = pixel L1 + MSE + 1e-6 KL (latent-diffusion style, no GAN / LPIPS); latents
-scaled to unit std (the factor is stored as `scaling_factor`, as MAR's 0.2325). MAR =
-official loss (random order, truncated-Gaussian mask ratio, class dropout 0.1, diffusion loss
-with the cosine schedule and learned variance). AdamW, cosine LR, fixed seeds, losses logged.
+Stages (`--stages vae,target,drafter,eval`, each saved under `--work`, default `OUT_work`, so
+a killed run keeps its finished stages and the VAE can be checked before MAR is trained):
+vae (train, encode the training scenes, PSNR and judge on 256 validation reconstructions),
+target, drafter, eval (judge + Frechet of 256 plain and 256 CSpD samples; writes the fp16
+pipeline, metrics.json, the stage logs and a contact sheet to `--out`).
+
+Recipe: VAE = pixel L1 + MSE + 1e-6 KL (latent-diffusion style, no GAN / LPIPS), 32 px crops
+for the first steps (4x cheaper, the model is convolutional) and whole scenes for the last
+`vae_full_steps`; latents scaled to unit std (the factor is stored as `scaling_factor`, as
+MAR's 0.2325). MAR = official loss (random order, truncated-Gaussian mask ratio, class dropout
+0.1, diffusion loss with the cosine schedule and learned variance). AdamW, cosine LR, fixed
+seeds, losses logged every 100 steps. `eval_num_iter` = 16 generation steps for 64 tokens
+(stored in metrics.json, which `mmspec generate` / `bench mar` read as the folder's default).
 
 Limits: a toy for a toy world; numbers hold for World(seed=0) single-object scenes only.
-Measured with these defaults before `clip_x0` existed (seed 0, 2 threads, 19.4 min of
-training): VAE PSNR 21.7 dB, judge class accuracy 19.9% on VAE reconstructions (the 4 x 4
-grid keeps colour and position but loses the shape), 2.3% on 256 plain samples (the head
-diverged at t = 999), 12.9% with the x0 clamp applied to the same weights; chance is 3.1%.
-Not recognisable: an 8 x 8 grid (stride 8) and longer runs (or `--device cuda`) are next.
+Measured with these defaults (seed 0, 1 thread on a shared 2-core machine, commands
+`--stages vae`, then `--stages target,drafter`, then `--stages eval`): VAE 985 s, PSNR 33.7 dB,
+judge 98.4% on its reconstructions (the stride-8 VAE is good enough); target (1.11M params,
+3000 steps, 2226 s, loss 1.93 -> 0.14), drafter (0.28M, 1200 steps, 494 s, loss -> 0.16).
+Plain samples are NOT recognisable: judge class accuracy 16.0% of 256 (colour 62.9%, shape
+29.3%, Frechet 219; chance 3.1%): right colour, but the object is broken into blobs. Sampling
+settings do not rescue it (64 samples: temperature 0.25-1.0, guidance 1.5-6, 16 or 64 steps:
+9-17%). Diagnosis: even inpainting with 75% of the true tokens given, the target's samples of
+the rest are off by MSE 0.89 (token variance 0.92; the mean of the 4 neighbours is off by
+0.20), i.e. the transformer + head learned weak conditionals. More steps of this size do not
+help: 1800 further steps (constant lr 3e-4, EMA 0.998; exploratory, not this command) gave
+16.4% (raw) / 15.2% (EMA) on the same 256 labels and seed. Next: a larger transformer and head
+(or fewer latent channels), which needs more than one CPU core-hour (`--device cuda`).
+CSpD on this pair accepts nothing (acceptance 0.0, 16 target calls as plain): the last-step
+Gaussians have std 0.0064 while drafter and target means differ by ~0.10 (16 std).
 Run: `mmspec testbed train-mar --out DIR` (see `add_mar_command`).
 """
 
@@ -28,10 +47,14 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 
 import torch
 import torch.nn.functional as F
+
+
+STAGES = ("vae", "target", "drafter", "eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,32 +64,42 @@ class MARTrainConfig:
     device: str = "cpu"
     n_train: int = 6000
     n_eval: int = 256
-    vae_steps: int = 900
+    vae_steps: int = 3000
+    vae_full_steps: int = 600  # the last steps train on whole 64 px scenes, the others on vae_crop crops
+    vae_crop: int = 32
     vae_batch: int = 16
     vae_lr: float = 2e-3
     vae_kl: float = 1e-6
-    vae_channels: tuple[int, ...] = (16, 32, 32, 64, 64)  # 4 downsamplings: 64 px -> 4 x 4
+    vae_channels: tuple[int, ...] = (16, 32, 64, 64)  # 3 downsamplings: 64 px -> 8 x 8 tokens
     latent_channels: int = 8
-    mar_steps: int = 5000
+    mar_steps: int = 3000
     mar_batch: int = 64
     mar_lr: float = 1e-3
     target_dim: int = 128
     target_depth: int = 2
     target_head: tuple[int, int] = (2, 128)  # diffusion head depth, width
-    draft_steps: int = 1500
+    draft_steps: int = 1200
     draft_dim: int = 64
     draft_depth: int = 1
     draft_head: tuple[int, int] = (2, 96)
     num_sampling_steps: int = 25
     clip_x0: float = 4.0  # clamp of the head's x0 estimate (latents have unit std); see mar_diffloss
     buffer_size: int = 8
-    eval_num_iter: int = 8
+    eval_num_iter: int = 16
     eval_guidance: float = 3.0
 
     def __post_init__(self):
-        for name in ("n_train", "n_eval", "vae_steps", "vae_batch", "mar_steps", "mar_batch", "draft_steps", "threads"):
+        for name in ("n_train", "n_eval", "vae_steps", "vae_batch", "vae_crop", "mar_steps", "mar_batch",
+                     "draft_steps", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MARTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.vae_full_steps <= self.vae_steps:
+            raise ValueError(f"MARTrainConfig.vae_full_steps must be in 0..vae_steps={self.vae_steps}, "
+                             f"got {self.vae_full_steps}")
+        stride = 2 ** (len(self.vae_channels) - 1)
+        if self.vae_crop > 64 or self.vae_crop % stride:
+            raise ValueError(f"MARTrainConfig.vae_crop must be <= 64 and a multiple of the VAE stride {stride}, "
+                             f"got {self.vae_crop}")
         if self.n_eval < 2:
             raise ValueError("MARTrainConfig.n_eval must be >= 2 (Frechet needs a covariance)")
 
@@ -115,25 +148,36 @@ def psnr(a, b):
     return 10 * torch.log10(4.0 / mse)
 
 
+def _crops(x, size, g):
+    """One random `size` x `size` crop per image (the same offsets for a whole batch)."""
+    if size >= x.shape[-1]:
+        return x
+    i, j = (int(v) for v in torch.randint(0, x.shape[-1] - size + 1, (2,), generator=g))
+    return x[..., i:i + size, j:j + size]
+
+
 def train_vae(c, pixels, log, bar):
+    """Pixel L1 + MSE + `vae_kl` x KL; crops first (4x cheaper per step), whole scenes last."""
     torch.manual_seed(c.seed)
     vae = make_vae(c).to(c.device).train()
     opt = torch.optim.AdamW(vae.parameters(), lr=c.vae_lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(c.seed)
     for step in bar(range(c.vae_steps), desc="vae"):
         idx = torch.randint(0, pixels.shape[0], (c.vae_batch,), generator=g)
-        x = pixels[idx].to(c.device)
+        full = step >= c.vae_steps - c.vae_full_steps
+        x = (pixels[idx] if full else _crops(pixels[idx], c.vae_crop, g)).to(c.device)
         post = vae.encode(x).latent_dist
         rec = vae.decode(post.sample(generator=None)).sample
         rec_loss = (rec - x).abs().mean() + ((rec - x) ** 2).mean()
-        kl = post.kl().mean() / x[0].numel()
-        loss = rec_loss + c.vae_kl * kl * x[0].numel()
+        kl = post.kl().mean()
+        loss = rec_loss + c.vae_kl * kl
         _cosine_lr(opt, c.vae_lr, step, c.vae_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if step % 100 == 0 or step == c.vae_steps - 1:
-            log({"phase": "vae", "step": step, "loss": float(loss), "rec": float(rec_loss)})
+            log({"phase": "vae", "step": step, "size": x.shape[-1], "loss": loss.detach().item(),
+                 "rec": rec_loss.detach().item()})
     return vae.eval()
 
 
@@ -159,75 +203,148 @@ def train_mar(c, model, latents, labels, steps, tag, log, bar):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 100 == 0 or step == steps - 1:
-            log({"phase": tag, "step": step, "loss": float(loss)})
+            log({"phase": tag, "step": step, "loss": loss.detach().item()})
     return model.eval()
 
 
-def run(c: MARTrainConfig, out_dir: str) -> dict:
-    from tqdm import tqdm
+@torch.no_grad()
+def vae_quality(vae, c: MARTrainConfig, judge_dir: str = "assets/testbed/judge") -> dict:
+    """PSNR and judge scores of the VAE's reconstructions of `n_eval` validation scenes (the
+    ceiling for any generator on these latents)."""
+    from mmspec.testbed.judge_model import Judge
 
-    from mmspec.pipelines import SpeculativeMARPipeline
+    judge = Judge.from_pretrained(judge_dir)
+    val_px, val_lab = scenes("validation", c.n_eval, c.seed)
+    rec = torch.cat([vae.decode(vae.encode(x.to(c.device)).latent_dist.mean).sample.cpu() for x in val_px.split(128)])
+    return {"vae_psnr_db": float(psnr(rec, val_px).mean()), "judge_real_subset": judge.score(val_px, val_lab.tolist()),
+            "judge_vae_recon": judge.score(rec.clamp(-1, 1), val_lab.tolist())}
 
-    torch.set_num_threads(c.threads)
-    os.makedirs(out_dir, exist_ok=True)
-    t0 = time.perf_counter()
-    logf = open(os.path.join(out_dir, "train_log.jsonl"), "w")
 
-    def log(rec):
-        rec["t"] = round(time.perf_counter() - t0, 1)
-        logf.write(json.dumps(rec) + "\n")
-        logf.flush()
-        print(json.dumps(rec), flush=True)
+def stage_vae(c, work, log, bar) -> dict:
+    from diffusers import AutoencoderKL  # noqa: F401  (fail early when diffusers is missing)
 
-    bar = lambda it, desc: tqdm(it, desc=desc, mininterval=10)
     pixels, labels = scenes("train", c.n_train, c.seed)
     log({"phase": "data", "n": c.n_train})
     vae = train_vae(c, pixels, log, bar)
     lat = encode_all(vae, pixels, c.device, c.seed)
     scale = float(1.0 / lat.std())
     vae.register_to_config(scaling_factor=scale)
-    lat = lat * scale
-    target = train_mar(c, make_mar(c, c.target_dim, c.target_depth, c.target_head), lat, labels, c.mar_steps, "target", log, bar)
-    drafter = train_mar(c, make_mar(c, c.draft_dim, c.draft_depth, c.draft_head), lat, labels, c.draft_steps, "drafter", log, bar)
-    train_s = time.perf_counter() - t0
-    pipe = SpeculativeMARPipeline(transformer=target.float(), vae=vae.float(), drafter=drafter.float())
-    metrics = {"config": dataclasses.asdict(c), "train_seconds": round(train_s, 1), "latent_scale": scale}
-    metrics.update(evaluate(pipe, c))
+    vae.save_pretrained(os.path.join(work, "vae"))
+    torch.save({"latents": lat * scale, "labels": labels}, os.path.join(work, "latents.pt"))
+    return {"latent_scale": scale, **vae_quality(vae, c)}
+
+
+def _load_vae(work, device):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL.from_pretrained(os.path.join(work, "vae")).to(device).eval()
+
+
+def stage_mar(c, work, log, bar, tag) -> dict:
+    data = torch.load(os.path.join(work, "latents.pt"))
+    dim, depth, head, steps = ((c.target_dim, c.target_depth, c.target_head, c.mar_steps) if tag == "target" else
+                               (c.draft_dim, c.draft_depth, c.draft_head, c.draft_steps))
+    model = make_mar(c, dim, depth, head)
+    model = train_mar(c, model, data["latents"], data["labels"], steps, tag, log, bar)
+    model.save_pretrained(os.path.join(work, tag))
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+def stage_eval(c, work, out_dir) -> dict:
+    from mmspec.models.mar import MARModel
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    target = MARModel.from_pretrained(os.path.join(work, "target")).to(c.device).eval()
+    drafter = MARModel.from_pretrained(os.path.join(work, "drafter")).to(c.device).eval()
+    pipe = SpeculativeMARPipeline(transformer=target, vae=_load_vae(work, c.device), drafter=drafter)
+    result = evaluate(pipe, c, out_dir)
     pipe.to(torch.float16).save_pretrained(out_dir)
-    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
-    log({"phase": "done", **{k: v for k, v in metrics.items() if k != "config"}})
-    logf.close()
-    return metrics
+    return result
+
+
+def run(c: MARTrainConfig, out_dir: str, stages=STAGES, work: str | None = None) -> dict:
+    """Run `stages` in order; each saves its result under `work` (default `OUT_work`) and its
+    record in `work/metrics.json`, so a killed run keeps its finished stages. The eval stage
+    writes the fp16 pipeline, metrics.json and the stage logs to `out_dir`."""
+    from tqdm import tqdm
+
+    torch.set_num_threads(c.threads)
+    work = work or out_dir.rstrip("/") + "_work"
+    os.makedirs(work, exist_ok=True)
+    record_path = os.path.join(work, "metrics.json")
+    record = json.load(open(record_path)) if os.path.isfile(record_path) else {}
+    bar = lambda it, desc: tqdm(it, desc=desc, mininterval=10)
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        t0 = time.perf_counter()
+        logf = open(os.path.join(work, f"{stage}_log.jsonl"), "w")
+
+        def log(rec):
+            rec["t"] = round(time.perf_counter() - t0, 1)
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            print(json.dumps(rec), flush=True)
+
+        if stage == "vae":
+            result = stage_vae(c, work, log, bar)
+        elif stage in ("target", "drafter"):
+            result = stage_mar(c, work, log, bar, stage)
+        else:
+            os.makedirs(out_dir, exist_ok=True)
+            result = stage_eval(c, work, out_dir)
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        record[stage] = {"config": dataclasses.asdict(c), **result}
+        log({"phase": stage + " done", **result})
+        logf.close()
+        with open(record_path, "w") as f:
+            json.dump(record, f, indent=2)
+    if "eval" in stages:
+        metrics = {"config": dataclasses.asdict(c), **record.get("vae", {}), **record["eval"],
+                   "stage_seconds": {s: record[s]["seconds"] for s in STAGES if s in record}}
+        metrics.pop("seconds", None)
+        for s in STAGES:
+            src = os.path.join(work, f"{s}_log.jsonl")
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(out_dir, f"train_log_{s}.jsonl"))
+        with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        return metrics
+    return record
 
 
 @torch.no_grad()
-def evaluate(pipe, c: MARTrainConfig, judge_dir: str = "assets/testbed/judge") -> dict:
+def evaluate(pipe, c: MARTrainConfig, out_dir: str | None = None, judge_dir: str = "assets/testbed/judge") -> dict:
+    """Judge class / colour / shape accuracy and Frechet of `n_eval` plain and `n_eval` CSpD
+    samples (class labels 0..31 in turn, seed `c.seed`), with the sampler's counters; with
+    `out_dir`, a contact sheet of the first 128 plain samples under real scenes."""
+    from mmspec.testbed.imagegen_train import contact_sheet, judge_breakdown
     from mmspec.testbed.judge_model import Judge
 
     judge = Judge.from_pretrained(judge_dir)
-    val_px, val_lab = scenes("validation", c.n_eval, c.seed)
-    lat = pipe.vae.encode(val_px).latent_dist.mean
-    rec = pipe.vae.decode(lat).sample
-    real = judge.score(val_px, val_lab.tolist())
     labels = torch.arange(c.n_eval) % 32
-    out = {"vae_psnr_db": float(psnr(rec, val_px).mean()), "judge_real_subset": real,
-           "judge_vae_recon": judge.score(rec.clamp(-1, 1), val_lab.tolist())}
+    out = {"eval_num_iter": c.eval_num_iter, "eval_guidance": c.eval_guidance}
     pipe.set_progress_bar_config(disable=True)
     for spec in (False, True):
         t = time.perf_counter()
         res = pipe(labels.tolist(), num_iter=c.eval_num_iter, guidance_scale=c.eval_guidance, speculative=spec,
                    generator=torch.Generator().manual_seed(c.seed), output_type="pt")
         name = "speculative" if spec else "plain"
-        out[name] = {**judge.score(res.images * 2 - 1, labels.tolist()), "seconds": round(time.perf_counter() - t, 2),
+        px = res.images.float().cpu() * 2 - 1
+        out[name] = {**judge_breakdown(judge, px, labels, 8), "seconds": round(time.perf_counter() - t, 2),
                      "target_calls": res.stats.spec.target_calls, "draft_calls": res.stats.spec.draft_calls,
                      "acceptance_rate": res.stats.acceptance_rate, "fallbacks": res.stats.fallbacks}
+        if out_dir is not None and not spec:
+            real, real_labels = scenes("validation", 256, c.seed)
+            contact_sheet(px[:128], labels[:128], real, real_labels, os.path.join(out_dir, "contact_sheet.png"))
     return out
 
 
 def add_mar_command(sub) -> None:
     p = sub.add_parser("train-mar", help="train the testbed MAR pair (VAE, target, drafter)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="where the eval stage writes the fp16 pipeline and metrics.json")
+    p.add_argument("--work", default=None, help="stage results (default OUT_work)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     for f in dataclasses.fields(MARTrainConfig):
         if f.type in ("int", "float", "str"):
             p.add_argument("--" + f.name.replace("_", "-"), type={"int": int, "float": float, "str": str}[f.type],
@@ -237,10 +354,14 @@ def add_mar_command(sub) -> None:
 
 def cmd_train_mar(args) -> int:
     fields = {f.name for f in dataclasses.fields(MARTrainConfig) if f.type in ("int", "float", "str")}
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    bad = [s for s in stages if s not in STAGES]
+    if bad or not stages:
+        raise SystemExit(f"mmspec testbed train-mar: unknown stages {bad or [args.stages]}; known: {list(STAGES)}")
     try:
         config = MARTrainConfig(**{k: getattr(args, k) for k in fields})
     except ValueError as e:
         raise SystemExit(f"mmspec testbed train-mar: {e}") from None
-    metrics = run(config, args.out)
-    print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2))
+    metrics = run(config, args.out, stages=stages, work=args.work)
+    print(json.dumps({k: v for k, v in metrics.items() if k != "config"}, indent=2, default=str)[:4000])
     return 0
