@@ -79,7 +79,7 @@ class VLMTrainConfig:
     tower_dim: int = 128
     tower_layers: int = 4
     tower_heads: int = 4
-    tower_steps: int = 4500
+    tower_steps: int = 4000
     tower_batch: int = 64
     tower_lr: float = 2e-3
     # language model
