@@ -37,7 +37,8 @@ target forward costs several 1-layer drafter steps. The options added after the 
 bundle (patch 8 at 64 px, the per-object target, the shape-word weight, a trained top tower
 layer) target its weakness, a small secondary object's shape named at chance level; a third run
 with all of them (assets/testbed/README.md) got the tower right but its LM did not ground
-colours within 2200 steps, so the defaults stay those of the bundled (second) run.
+colours within 2200 steps (a 400-step LM on the same tower, frozen, shape weight 1, did), so the
+defaults stay those of the bundled (second) run.
 
 Limits: a toy VLM for the toy world; figures hold for seed 0 on the machine that ran it.
 """
