@@ -111,3 +111,51 @@ def test_bundled_vlm_has_a_real_processor_and_its_drafters():
     plain = pipe([scene.image], None, max_new_tokens=24, speculative=False)
     spec = pipe([scene.image], None, max_new_tokens=24)
     assert spec.sequences[0].tolist() == plain.sequences[0].tolist()
+
+
+def test_tower_labels_match_the_rendered_scene():
+    """Object coverage read off the geometry: a patch fully covered by the main object (drawn last)
+    shows exactly its colour in the rendered image, the main object's coverage adds up to its area,
+    and every visible object's class is its colour x shape."""
+    import math
+
+    import numpy as np
+
+    from mmspec.testbed.vlm_tower import scene_labels
+    from mmspec.testbed.world import COLOURS
+
+    world = World(seed=0, split="train")
+    areas = {"circle": math.pi, "square": 1.7 ** 2, "triangle": 3 * math.sqrt(3) / 4, "diamond": 1.6}
+    perimeters = {"circle": 2 * math.pi, "square": 4 * 1.7, "triangle": 3 * math.sqrt(3), "diamond": 4 * math.hypot(1, 0.8)}
+    full_patches = 0
+    for i in range(24):
+        s = world.scene(i)
+        objs = s.attributes["objects"]
+        patches, cover, classes = scene_labels(s.attributes, 64, 8, world.config)
+        assert cover.shape == (3, 64) and patches.shape == (64,)
+        assert (cover.sum(0) <= 1 + 1e-6).all()
+        assert list(classes[len(objs):]) == [-100] * (3 - len(objs))
+        for k, o in enumerate(objs):
+            if cover[k].sum() > 0:
+                assert classes[k] == world.config.class_label(o["shape"], o["colour"])
+        main = objs[-1]
+        r = main["r"] * 64  # pixels; rasterised outlines add about half a pixel all along the perimeter
+        expect = areas[main["shape"]] * r * r + 0.5 * perimeters[main["shape"]] * r
+        assert abs(cover[len(objs) - 1].sum() * 64 - expect) < 2 * r
+        img = np.asarray(s.image, dtype=np.int64).reshape(8, 8, 8, 8, 3).transpose(0, 2, 1, 3, 4).reshape(64, 64, 3)
+        for j in np.flatnonzero(cover[len(objs) - 1] == 1.0):
+            exact = (abs(img[j] - np.array(COLOURS[main["colour"]])) <= 2).all(-1)
+            assert exact.sum() >= 56  # all but anti-aliased outline pixels
+            assert patches[j] == classes[len(objs) - 1]
+            full_patches += 1
+    assert full_patches > 20
+
+
+def test_shape_word_ids_are_the_grammar_shape_words():
+    from mmspec.testbed.language import SHAPE_WORDS
+    from mmspec.testbed.vlm_train import VLMTrainConfig, build_processor, shape_word_ids
+
+    tok = build_processor(VLMTrainConfig()).tokenizer
+    words = {tok.convert_ids_to_tokens(i) for i in shape_word_ids(tok)}
+    assert words == {w.split()[0] for ws in SHAPE_WORDS.values() for w in ws}
+    assert not words & {"shape", "red", "a", "the"}
