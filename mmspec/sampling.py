@@ -96,14 +96,13 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     instead of aborting mid-step; the loop checks every distribution inside the step's one
     host sync and raises a ValueError naming the culprit, so nothing sampled from such a row
     is ever emitted."""
-    bad = ~(torch.isfinite(probs) & (probs >= 0)).all(-1, keepdim=True)
-    probs = torch.where(bad, torch.ones_like(probs), probs)
     if not probs.is_floating_point():
         probs = probs.double()
     cdf = probs.cumsum(-1)
-    total = cdf[:, -1:]
-    empty = total <= 0  # all-zero rows: uniform as above (no host sync: a where, not a branch)
-    cdf = torch.where(empty, torch.arange(1, probs.shape[-1] + 1, device=cdf.device, dtype=cdf.dtype), cdf)
+    # One check for every kind of bad row (no host sync: a where, not a branch): the uniform
+    # row's running sum 1..V replaces theirs.
+    bad = ~((torch.isfinite(probs) & (probs >= 0)).all(-1, keepdim=True) & (cdf[:, -1:] > 0))
+    cdf = torch.where(bad, torch.arange(1, probs.shape[-1] + 1, device=cdf.device, dtype=cdf.dtype), cdf)
     total = cdf[:, -1:]
     where = generator.device if generator is not None else probs.device
     u = torch.rand(probs.shape[0], 1, generator=generator, device=where, dtype=cdf.dtype).to(cdf.device) * total
