@@ -184,8 +184,9 @@ def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str],
     out = {}
     for method in methods:
         kind, coupling, acceptance, window = method_spec(method)
-        _set_drafter(pipe, _drafter_model(pipe), kind, coupling, cfg.per_batch("draft_tokens", -1),
-                     cfg.per_batch("window", -1), window)
+        # The settings of the first batch size's speed rows (an "@W" window overrides it).
+        _set_drafter(pipe, _drafter_model(pipe), kind, coupling, cfg.per_batch("draft_tokens", 0),
+                     cfg.per_batch("window", 0), window)
         gen = torch.Generator().manual_seed(cfg.seed + 7)
         pixels = []
         for i in range(0, len(labels), 32):
