@@ -9,6 +9,7 @@ from __future__ import annotations
 from .base import ChainRule, check_chain_inputs
 from .cluster_exact import ClusterExactAcceptance
 from .continuous import ContinuousAcceptance, ContinuousResult
+from .continuous_relaxed import RelaxedContinuousAcceptance
 from .exact import ExactAcceptance
 from .greedy import GreedyAcceptance
 from .grouped import GroupedAcceptance
@@ -29,6 +30,7 @@ RULES: dict[str, type] = {
 # mmspec.pipelines), so they have their own registry.
 CONTINUOUS_RULES: dict[str, type] = {
     "continuous": ContinuousAcceptance,
+    "continuous-relaxed": RelaxedContinuousAcceptance,  # lossy: CSpD's public-code inner temperature (42)
 }
 
 
@@ -111,6 +113,7 @@ __all__ = [
     "ClusterExactAcceptance",
     "ContinuousAcceptance",
     "ContinuousResult",
+    "RelaxedContinuousAcceptance",
     "ExactAcceptance",
     "GreedyAcceptance",
     "GroupedAcceptance",

@@ -107,6 +107,12 @@ class ContinuousAcceptance:
         """log r(x) [...] = log p~(x) - log q~(x)."""
         return gaussian_log_density(x, target_mean, target_std) - gaussian_log_density(x, draft_mean, draft_std) + offset
 
+    def accept_log_ratio(self, x, draft_mean, draft_std, target_mean, target_std, offset=0.0) -> torch.Tensor:
+        """The log ratio the accept / reject decision of a draft token uses: `log_ratio` here
+        (exact); a relaxed rule overrides this only, so its residual stays the exact
+        norm(max(0, p~ - q~))."""
+        return self.log_ratio(x, draft_mean, draft_std, target_mean, target_std, offset)
+
     def sample_residual(
         self,
         draft_mean: torch.Tensor,  # [N, D]
@@ -197,7 +203,7 @@ class ContinuousAcceptance:
         dtype = torch.float64 if draft_samples.dtype == torch.float64 else torch.float32
         x, mq, sq, mp, sp = (t.to(dtype) for t in (draft_samples, draft_mean, draft_std, target_mean, target_std))
         offset = self._offset(draft_logstd_sum, target_logstd_sum, x)  # [B, K]
-        lr = self.log_ratio(x, mq, sq, mp, sp, offset)
+        lr = self.accept_log_ratio(x, mq, sq, mp, sp, offset)
         alpha = torch.exp(lr.clamp(max=0.0))  # min(1, r)
         u = torch.rand(B, K, generator=generator, dtype=dtype, device=x.device)
         accepted = u < alpha
@@ -245,7 +251,7 @@ class ContinuousAcceptance:
                 torch.zeros(B, dtype=torch.long, device=x.device), empty,
             )
         offset = self._offset(draft_logstd_sum, target_logstd_sum, x)  # [B, K]
-        lr = self.log_ratio(x, mq, sq, mp[:, :K], sp[:, :K], offset)
+        lr = self.accept_log_ratio(x, mq, sq, mp[:, :K], sp[:, :K], offset)
         alpha = torch.exp(lr.clamp(max=0.0))
         u = torch.rand(B, K, generator=generator, dtype=dtype, device=x.device)
         accepted = u < alpha

@@ -104,8 +104,16 @@ def test_bench_mar_json(folder, tmp_path, capsys):
         assert plain["speedup_vs_plain"] == 1.0 and plain["acceptance_rate"] is None
         assert cspd["target_forwards_per_image"] <= 4.0 and cspd["draft_forwards_per_image"] > 0
         assert 0.0 <= cspd["acceptance_rate"] <= 1.0 and cspd["fallbacks"] >= 0 and cspd["speedup_vs_plain"] > 0
+        relaxed = b["methods"]["cspd-relaxed"]
+        assert 0.0 <= relaxed["acceptance_rate"] <= 1.0 and relaxed["draft_forwards_per_image"] > 0
+    assert report["config"]["inner_temperature"] == 42.0
     text = capsys.readouterr().out
-    assert "speed-up" in text and "cspd" in text
+    assert "speed-up" in text and "cspd-relaxed" in text
+    main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
+          "--threads", "1", "--inner-temperature", "0", "--json", str(path)])
+    assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd"]
+    with pytest.raises(SystemExit, match="inner_temperature must be 0"):
+        main(["bench", "mar", "--model", str(folder), "--inner-temperature", "0.5"])
 
 
 def test_bench_mar_refusals(folder, tmp_path, monkeypatch):
@@ -130,7 +138,7 @@ def test_bench_mar_judge_scores_both_methods(tmp_path):
     folder = save_pair(tmp_path / "world", img_size=64, vae_stride=16, class_num=32)
     report = run(MARBenchConfig(model=str(folder), batch_sizes=(2,), num_images=2, repeats=1, num_iter=3,
                                 threads=1, judge=str(JUDGE_DIR), judge_images=4))
-    for m in ("plain", "cspd"):
+    for m in ("plain", "cspd", "cspd-relaxed"):
         s = report["judge"][m]
         assert s["images"] == 4 and 0.0 <= s["accuracy"] <= 1.0 and s["frechet"] >= 0.0
 
@@ -142,6 +150,6 @@ def test_demo_mar_section(folder, tmp_path):
     assert "\n" not in text and "MAR section skipped" in text and "mmspec testbed train-mar" in text
     assert not (tmp_path / "demo").exists()
     text = demo_section(str(tmp_path / "demo"), model=folder, threads=1)
-    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 2 * 32)
+    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 3 * 32)
     report = json.loads((tmp_path / "demo" / "mar_demo.json").read_text())
     assert [b["batch_size"] for b in report["batches"]] == [1, 8] and "speed-up" in text

@@ -270,3 +270,26 @@ def test_saved_folder_with_another_architecture_is_refused(tmp_path):
     save_file(sd, w)
     with pytest.raises(ValueError, match="transformer: the weights .*unexpected_keys"):
         SpeculativeMARPipeline.from_pretrained(tmp_path / "extra")
+
+
+def test_relaxed_rule_in_the_sampler():
+    """tau = 1 reproduces exact CSpD draw for draw; CSpD's public-code tau = 42 keeps more drafts
+    on a pair whose final-step Gaussians sit apart (the lossy trade `mmspec bench mar` measures)."""
+    from mmspec.acceptance import ContinuousAcceptance, RelaxedContinuousAcceptance
+
+    target, _ = _ks_setup()
+    drafter = copy.deepcopy(target)
+    W = target.diffloss.W
+    drafter.diffloss = GaussianHead(target.diffloss, W + 0.05 * torch.randn(W.shape, generator=torch.Generator().manual_seed(4),
+                                                                           dtype=torch.float64))
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    kw = dict(num_iter=6, guidance_scale=1.5, drafter=drafter, num_draft_steps=3, prefill_fraction=0.2)
+    runs = {}
+    for name, rule in (("exact", ContinuousAcceptance()), ("tau1", RelaxedContinuousAcceptance(1.0)),
+                       ("tau42", RelaxedContinuousAcceptance(42.0))):
+        runs[name] = sample_mar(target, labels, acceptance=rule, generator=torch.Generator().manual_seed(9), **kw)
+    assert torch.equal(runs["exact"][0], runs["tau1"][0])
+    assert runs["exact"][1].accepted_tokens == runs["tau1"][1].accepted_tokens
+    exact, relaxed = runs["exact"][1], runs["tau42"][1]
+    assert relaxed.acceptance_rate > exact.acceptance_rate + 0.2, (exact.summary(), relaxed.summary())
+    assert bool(torch.isfinite(runs["tau42"][0]).all())
