@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmspec.adaptive import DraftLengthController
 from mmspec.ragged import RaggedKV
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.spec_target import chain_visibility
@@ -287,9 +288,19 @@ class EagleHeadDrafter:
     """Drafts with an `EagleHead` over `target`'s features (any target with `supports_features`
     whose spec exposes `embed` / `head`). Build it once per target and reuse it."""
 
-    def __init__(self, target, head: EagleHead, num_draft_tokens: int = 4, tree: TreeConfig | None = None):
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    def __init__(self, target, head: EagleHead, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None,
+                 max_draft_tokens: int = 6):
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+        # "auto" (chains): the loop picks K in 0..max_draft_tokens before every step from measured
+        # costs and acceptance (mmspec/adaptive.py); K = 0 defers the head's catch-up.
+        self.adaptive = num_draft_tokens == "auto" and tree is None
+        if num_draft_tokens == "auto":
+            if tree is not None:
+                raise ValueError("num_draft_tokens='auto' is for chains; a tree drafts tree.num_nodes nodes")
+            num_draft_tokens = max_draft_tokens
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
         if tree is not None and not isinstance(tree, TreeConfig):
             raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
         if not isinstance(head, EagleHead):
@@ -302,7 +313,15 @@ class EagleHeadDrafter:
         self.image_token_id = head.config.image_token_id
         self.features = FeatureRequest(last_hidden=True, image_features=self.image_token_id is not None)
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
+        self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
+        self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
         self.draft_calls = 0
+
+    def set_draft_length(self, k: int) -> None:
+        """The loop's choice of K for the next step (adaptive drafters only)."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.num_draft_tokens:
+            raise ValueError(f"draft length must be an int in 0..{self.num_draft_tokens}, got {k!r}")
+        self.k = k
 
     # ---- the target's shared pieces -------------------------------------------------------------
     def embed(self, tokens):
@@ -336,14 +355,28 @@ class EagleHeadDrafter:
         region = (2 * cfg.depth + cfg.depth * cfg.top_k) if cfg else 3 * self.num_draft_tokens
         self._max_slots = input_ids.shape[1] + max_new_tokens + region + 4
         self.kv = None
+        self._deferred = False
         self.draft_calls = 0
 
     def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
+        B, device = roots.shape[0], roots.device
+        self._deferred = self.tree is None and self.k == 0
+        if self._deferred:
+            # Plain decoding this step. The prompt is run now if it has not been (it needs the
+            # root); later pairs wait in `pending` and the next drafting step catches up on all.
+            if self.kv is None:
+                self._prefill_head(roots)
+                H = self.head.config.hidden_size
+                self.pending_tokens = roots.new_zeros(B, 0)
+                self.pending_hidden = torch.zeros(B, 0, H, dtype=self.spec.dtype, device=device)
+                self.pending_count = roots.new_zeros(B)
+                self.pending_host = [0] * B
+            return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         feats = self._prefill_head(roots) if self.kv is None else self._catch_up(roots)  # [B, H] at the root
         logits = self.logits(feats)
         if self.tree is not None:
             return self._propose_tree(feats, logits)
-        B, K, device = roots.shape[0], self.num_draft_tokens, roots.device
+        K = self.k
         tokens, probs = [], []
         for i in range(K):
             q = process_logits(logits, sampling)
@@ -362,9 +395,21 @@ class EagleHeadDrafter:
         """The next catch-up runs the pairs (target feature, token) of the accepted path and the
         new root: (h_root, a_1), ..., (h_{a_n}, next)."""
         n, n_host = info.num_accepted, info.num_accepted_list
-        width = (max(n_host) if n_host else 0) + 1
         B = n.shape[0]
         rows = torch.arange(B, device=n.device)
+        if getattr(self, "_deferred", False):
+            # K = 0: the pending pairs were not run; append (h_root, next) to each row's list.
+            h = target_out.hidden_states[:, 0].to(self.pending_hidden.dtype)
+            P = max(self.pending_host) + 1 if self.pending_host else 1
+            toks = torch.cat([self.pending_tokens, n.new_zeros(B, P - self.pending_tokens.shape[1])], 1)
+            hid = torch.cat([self.pending_hidden, h.new_zeros(B, P - self.pending_hidden.shape[1], h.shape[-1])], 1)
+            toks[rows, self.pending_count] = info.next_tokens
+            hid[rows, self.pending_count] = h
+            self.pending_tokens, self.pending_hidden = toks, hid
+            self.pending_count = self.pending_count + 1
+            self.pending_host = [c + 1 for c in self.pending_host]
+            return
+        width = (max(n_host) if n_host else 0) + 1
         toks = torch.cat([info.accepted_tokens[:, : width - 1].clamp_min(0), n.new_zeros(B, 1)], 1)
         toks[rows, n] = info.next_tokens
         self.pending_tokens = toks

@@ -7,6 +7,9 @@ pipeline component) holds the trainable part of one of mmspec's VLM drafters:
 - `kind="eagle"`: an EAGLE-2 head (`EagleHeadDrafter`; embedding and LM head are the target's);
 - `kind="vispec"`: an EAGLE head with ViSpec's vision adaptor (`ViSpecDrafter`).
 
+`num_draft_tokens` is a fixed chain length or `"auto"` (the loop picks K in
+0..`max_draft_tokens` per step from measured costs and acceptance; mmspec/adaptive.py).
+
 `build(target)` returns the runtime drafter for a target (checking that the head was built
 for it: width, vocabulary, image token). `PlainDecoding` drafts nothing, so
 `speculative=False` runs plain decoding through the same target code.
@@ -30,10 +33,16 @@ class DrafterComponent(ModelMixin, ConfigMixin):
 
     @register_to_config
     def __init__(self, kind: str = "eagle", head_config: dict | None = None, lm_config: dict | None = None,
-                 num_draft_tokens: int = 4, tree_depth: int = 0, tree_top_k: int = 0, tree_num_nodes: int = 0):
+                 num_draft_tokens: int | str = 4, tree_depth: int = 0, tree_top_k: int = 0, tree_num_nodes: int = 0,
+                 max_draft_tokens: int = 6):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+        if num_draft_tokens == "auto" and tree_depth:
+            raise ValueError("num_draft_tokens='auto' is for chains; a tree drafter (tree_depth > 0) drafts tree_num_nodes")
+        if num_draft_tokens != "auto" and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
+                                           or num_draft_tokens < 1):
+            raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
         if kind == "text":
             from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -77,9 +86,11 @@ class DrafterComponent(ModelMixin, ConfigMixin):
             if self.lm.config.get_text_config().vocab_size != target.vocab_size:
                 raise ValueError(f"text drafter vocabulary {self.lm.config.get_text_config().vocab_size} differs from "
                                  f"the target's {target.vocab_size}; it was trained for another target")
-            return ModelDrafter(self.lm.eval(), tree=tree) if tree else ModelDrafter(self.lm.eval(), K)
+            if tree:
+                return ModelDrafter(self.lm.eval(), tree=tree)
+            return ModelDrafter(self.lm.eval(), K, max_draft_tokens=self.config.max_draft_tokens)
         cls = ViSpecDrafter if self.config.kind == "vispec" else EagleHeadDrafter
-        return cls(target, self.head.eval(), K, tree=tree)
+        return cls(target, self.head.eval(), K, tree=tree, max_draft_tokens=self.config.max_draft_tokens)
 
 
 def _tree_fields(tree: TreeConfig | None) -> dict:

@@ -171,3 +171,35 @@ def test_processor_outputs_go_straight_into_speculative_generate(parts):
                              pixel_values=one["pixel_values"].double(), do_sample=False, max_new_tokens=8,
                              eos_token_id=2, pad_token_id=0)[0, one["input_ids"].shape[1]:]
         assert torch.equal(out.sequences[b, L:L + len(ref)], ref)
+
+
+def test_auto_draft_length_drafters_save_load_and_answer_like_plain(parts, tmp_path):
+    """Drafters saved with num_draft_tokens='auto' (the loop picks K per step, 0 included)
+    round-trip and answer exactly like plain decoding, for the heads and the text drafter."""
+    model, processor = parts
+    base = drafters(model)
+    pipe = SpeculativeVLMPipeline(model, processor)
+    for name in ("text", "vispec"):
+        comp = base[name]
+        kwargs = {k: v for k, v in comp.config.items() if not k.startswith("_")}
+        kwargs.update(num_draft_tokens="auto", max_draft_tokens=4)
+        auto = DrafterComponent(**kwargs)
+        auto.load_state_dict(comp.state_dict())
+        torch.nn.Module.to(auto, torch.float64)
+        pipe.add_drafter(f"{name}-auto", auto)
+    images = random_images(4, seed=5)
+    plain = pipe(images, PROMPTS, max_new_tokens=12, speculative=False)
+    for name in ("text-auto", "vispec-auto"):
+        pipe.load_drafter(name)
+        assert pipe._check_drafter(pipe.drafter).adaptive
+        for _ in range(2):  # the second call reuses the built drafter and what its controller learned
+            out = pipe(images, PROMPTS, max_new_tokens=12, batch_size=3)
+            assert out.texts == plain.texts
+    pipe.save_pretrained(tmp_path / "pipe")
+    again = SpeculativeVLMPipeline.from_pretrained(tmp_path / "pipe", dtype=torch.float64)
+    again.load_drafter("vispec-auto")
+    assert again.drafter.config.num_draft_tokens == "auto" and again.drafter.config.max_draft_tokens == 4
+    assert again(images, PROMPTS, max_new_tokens=12).texts == plain.texts
+    with pytest.raises(ValueError, match="'auto' is for chains"):
+        DrafterComponent(kind="eagle", head_config=base["eagle"].config.head_config, num_draft_tokens="auto",
+                         tree_depth=3, tree_top_k=2, tree_num_nodes=6)
