@@ -49,6 +49,9 @@ class VLMBenchConfig:
     # (depth, top_k, num_nodes): also run every drafter with this dynamic tree ("<name>+tree")
     tree: tuple[int, int, int] | None = None
     tree_drafters: tuple[str, ...] = ()  # () = every drafter benchmarked
+    # also run these drafters with num_draft_tokens="auto" (K picked per step, "<name>+auto")
+    auto_drafters: tuple[str, ...] = ()
+    auto_max_draft_tokens: int = 6
 
     def __post_init__(self):
         if self.num_scenes < 1 or self.repeats < 1 or self.max_new_tokens < 1:
@@ -73,8 +76,13 @@ def load_pipeline(model: str):
     return SpeculativeVLMPipeline.from_pretrained(model, dtype=torch.float32)
 
 
-def tree_variant(pipe, name: str, tree: tuple[int, int, int]) -> str:
-    """Register `<name>+tree`: the saved drafter `name` (same weights) drafting dynamic trees."""
+def auto_variant(pipe, name: str, max_draft_tokens: int) -> str:
+    """Register `<name>+auto`: the saved drafter `name` (same weights) with the adaptive draft
+    length (K in 0..max_draft_tokens chosen per step by the loop)."""
+    return _variant(pipe, name, "auto", num_draft_tokens="auto", max_draft_tokens=max_draft_tokens)
+
+
+def _variant(pipe, name: str, suffix: str, **changes) -> str:
     import inspect
 
     from mmspec.pipelines.vlm_drafter import DrafterComponent
@@ -82,12 +90,17 @@ def tree_variant(pipe, name: str, tree: tuple[int, int, int]) -> str:
     comp = pipe.drafters[name]
     params = inspect.signature(DrafterComponent.__init__).parameters
     kwargs = {k: v for k, v in comp.config.items() if k in params and k != "self"}
-    kwargs.update(tree_depth=tree[0], tree_top_k=tree[1], tree_num_nodes=tree[2])
+    kwargs.update(changes)
     variant = DrafterComponent(**kwargs)
     variant.load_state_dict(comp.state_dict())
     torch.nn.Module.to(variant, pipe.target.dtype)
-    pipe.add_drafter(f"{name}+tree", variant, active=False)
-    return f"{name}+tree"
+    pipe.add_drafter(f"{name}+{suffix}", variant, active=False)
+    return f"{name}+{suffix}"
+
+
+def tree_variant(pipe, name: str, tree: tuple[int, int, int]) -> str:
+    """Register `<name>+tree`: the saved drafter `name` (same weights) drafting dynamic trees."""
+    return _variant(pipe, name, "tree", tree_depth=tree[0], tree_top_k=tree[1], tree_num_nodes=tree[2])
 
 
 def task_items(scenes, task: str) -> tuple[list, list]:
@@ -168,6 +181,10 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
         if bad:
             raise ValueError(f"tree drafters {bad} are not among the benchmarked drafters {names}")
         methods += [tree_variant(pipe, n, cfg.tree) for n in (cfg.tree_drafters or names)]
+    bad = [n for n in cfg.auto_drafters if n not in names]
+    if bad:
+        raise ValueError(f"auto drafters {bad} are not among the benchmarked drafters {names}")
+    methods += [auto_variant(pipe, n, cfg.auto_max_draft_tokens) for n in cfg.auto_drafters]
     scenes = World(seed=cfg.seed, split="validation").sample(cfg.num_scenes)
     t = pipe.target
     report = {"config": dataclasses.asdict(cfg), "model": {
@@ -299,13 +316,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tree", type=ints, default=None,
                    help="DEPTH,TOP_K,NODES: also run every drafter with this dynamic tree (method <name>+tree)")
     p.add_argument("--tree-drafters", type=names, default=(), help="drafters to run with --tree (default: all)")
+    p.add_argument("--auto-drafters", type=names, default=(),
+                   help="also run these drafters with the adaptive draft length (method <name>+auto)")
+    p.add_argument("--auto-max-draft-tokens", type=int, default=6, help="largest K of the +auto variants (default 6)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     a = p.parse_args(argv)
     try:
         config = VLMBenchConfig(model=a.model, num_scenes=a.num_scenes, batch_sizes=a.batch_sizes,
                                 drafters=a.drafters, tasks=a.tasks, max_new_tokens=a.max_new_tokens,
                                 repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree,
-                                tree_drafters=a.tree_drafters)
+                                tree_drafters=a.tree_drafters, auto_drafters=a.auto_drafters,
+                                auto_max_draft_tokens=a.auto_max_draft_tokens)
         report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None

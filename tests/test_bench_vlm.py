@@ -1,0 +1,31 @@
+"""`mmspec bench vlm` on the bundled testbed VLM, tiny settings: every method's answers equal
+plain decoding, the tree and adaptive-length variants are registered from the saved drafters,
+and unknown variant drafters are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmspec.bench.vlm import VLMBenchConfig, run
+from mmspec.cli import main
+
+
+def test_bench_vlm_variants(tmp_path):
+    cfg = VLMBenchConfig(num_scenes=2, batch_sizes=(2,), drafters=("vispec",), tasks=("caption",), max_new_tokens=8,
+                         repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 4), tree=(3, 2, 4),
+                         tree_drafters=("vispec",), auto_drafters=("vispec",), auto_max_draft_tokens=3)
+    report = run(cfg)
+    (rows,) = [r["methods"] for r in report["runs"]]
+    assert list(rows) == ["plain", "vispec", "vispec+tree", "vispec+auto"]
+    assert all(r["identical_to_plain"] for r in rows.values())
+    assert rows["plain"]["mean_accepted_length"] == 1.0
+    assert report["model"]["num_draft_tokens"]["vispec+auto"] == "auto"
+    assert report["model"]["trees"]["vispec+tree"] == [3, 2, 4]
+    json.dumps(report)  # the report is JSON as written by --json
+
+
+def test_bench_vlm_refuses_unknown_variant_drafters():
+    with pytest.raises(SystemExit, match="auto drafters \\['nope'\\]"):
+        main(["bench", "vlm", "--num-scenes", "1", "--drafters", "vispec", "--auto-drafters", "nope"])
