@@ -187,14 +187,10 @@ def test_eagle_exact_sampling_matches_enumerated_joint(tree):
     assert chi_square_p(counts, hotter, SAMPLES) < 1e-4  # power
 
 
-@pytest.mark.parametrize("kind", ["eagle", "vispec"])
-def test_llava_exact_sampling_with_feature_drafters(llava, kind):
-    """Exact sampling on a VLM with a feature drafter (sampled chain drafts, q returned): the
-    first three new tokens are distributed like plain sampling (chi-square against the joint
-    enumerated with cache-free forwards, top-k 4), and a hotter joint is rejected (power)."""
+def sharp_llava_and_joint(llava):
+    """A sharpened copy of the tiny LLaVA, a one-image prompt, and `joint(temperature)`: the
+    distribution of the first three sampled tokens (top-k 4) enumerated with cache-free forwards."""
     import copy
-
-    from test_core_sampling import chi_square_p
 
     model = copy.deepcopy(llava[0])
     with torch.no_grad():
@@ -216,11 +212,15 @@ def test_llava_exact_sampling_with_feature_drafters(llava, kind):
             out = nxt
         return out
 
+    return model, ids, pixels, joint
+
+
+def assert_sampled_like(out, ids, joint, n):
+    """Chi-square of the first three sampled tokens against joint(1.0), and power: joint(2.0),
+    a hotter law, is rejected."""
+    from test_core_sampling import chi_square_p
+
     expected, hotter = joint(1.0), joint(2.0)
-    n = 3000
-    out = mmspec.speculative_generate(model, make(model, kind, None, K=2), ids.expand(n, -1), acceptance="exact",
-                                      temperature=1.0, top_k=4, max_new_tokens=3, pixel_values=pixels.expand(n, -1, -1, -1),
-                                      generator=torch.Generator().manual_seed(13))
     keys = sorted(expected)
     index = {k: i for i, k in enumerate(keys)}
     counts = torch.zeros(len(keys))
@@ -228,6 +228,19 @@ def test_llava_exact_sampling_with_feature_drafters(llava, kind):
         counts[index[tuple(row)]] += 1
     assert chi_square_p(counts, torch.tensor([expected[k] for k in keys], dtype=torch.float64), n) > 1e-4
     assert chi_square_p(counts, torch.tensor([hotter[k] for k in keys], dtype=torch.float64), n) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_llava_exact_sampling_with_feature_drafters(llava, kind):
+    """Exact sampling on a VLM with a feature drafter (sampled chain drafts, q returned): the
+    first three new tokens are distributed like plain sampling (chi-square against the joint
+    enumerated with cache-free forwards, top-k 4), and a hotter joint is rejected (power)."""
+    model, ids, pixels, joint = sharp_llava_and_joint(llava)
+    n = 3000
+    out = mmspec.speculative_generate(model, make(model, kind, None, K=2), ids.expand(n, -1), acceptance="exact",
+                                      temperature=1.0, top_k=4, max_new_tokens=3, pixel_values=pixels.expand(n, -1, -1, -1),
+                                      generator=torch.Generator().manual_seed(13))
+    assert_sampled_like(out, ids, joint, n)
     assert out.stats.row_steps > n  # several verify steps per row: rejections exercised
 
 
@@ -273,31 +286,7 @@ def test_auto_draft_length_greedy_equals_generate(llava, kind, script):
 def test_auto_draft_length_exact_sampling(llava):
     """Exact sampling with K switching between 0 and 2: the first three tokens follow the
     enumerated joint of plain sampling (chi-square) and a hotter joint is rejected."""
-    import copy
-
-    from test_core_sampling import chi_square_p
-
-    model = copy.deepcopy(llava[0])
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    ids = torch.tensor([[5, IMG, IMG, IMG, IMG, 7, 9]])
-    pixels = torch.randn(1, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
-
-    @torch.no_grad()
-    def joint(temperature):
-        out = {(): 1.0}
-        for _ in range(3):
-            nxt = {}
-            for prefix, p in out.items():
-                seq = torch.cat([ids, torch.tensor([list(prefix)], dtype=torch.long)], 1)
-                probs = mmspec.process_logits(model(input_ids=seq, pixel_values=pixels).logits[:, -1],
-                                              mmspec.SamplingConfig(temperature, 4))[0]
-                for t in probs.nonzero().flatten().tolist():
-                    nxt[prefix + (t,)] = p * float(probs[t])
-            out = nxt
-        return out
-
-    expected, hotter = joint(1.0), joint(2.0)
+    model, ids, pixels, joint = sharp_llava_and_joint(llava)
     n = 3000
     torch.manual_seed(0)
     head = EagleHead(EagleHeadConfig.for_target(model, kind="eagle")).double()
@@ -306,13 +295,8 @@ def test_auto_draft_length_exact_sampling(llava):
     out = mmspec.speculative_generate(model, drafter, ids.expand(n, -1), acceptance="exact", temperature=1.0, top_k=4,
                                       max_new_tokens=3, pixel_values=pixels.expand(n, -1, -1, -1),
                                       generator=torch.Generator().manual_seed(13))
-    keys = sorted(expected)
-    index = {k: i for i, k in enumerate(keys)}
-    counts = torch.zeros(len(keys))
-    for row in out.sequences[:, ids.shape[1]:].tolist():
-        counts[index[tuple(row)]] += 1
-    assert chi_square_p(counts, torch.tensor([expected[k] for k in keys], dtype=torch.float64), n) > 1e-4
-    assert chi_square_p(counts, torch.tensor([hotter[k] for k in keys], dtype=torch.float64), n) < 1e-4
+    assert_sampled_like(out, ids, joint, n)
+    assert {0, 2} <= set(out.stats.nodes_per_step)  # plain and drafting steps both ran
 
 
 def test_auto_draft_length_refusals(llava):
