@@ -124,20 +124,37 @@ class HeadAttention(nn.Module):
         self.register_buffer("inv_freq", 1.0 / c.rope_theta ** (torch.arange(0, self.dim, 2).double() / self.dim),
                              persistent=False)
 
+    def _rope(self, positions, dtype):
+        """cos / sin [B, 1, Q, D] of `positions` (angles in float64). On CPU from a table
+        computed once (regrown when a position is past its end), so drafting steps only gather;
+        elsewhere computed directly (sizing the table needs the largest position on the host)."""
+        if positions.device.type != "cpu":
+            freqs = positions.unsqueeze(-1).double() * self.inv_freq
+            emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[0] < need or table[0].dtype != dtype or table[0].device != positions.device:
+            n = max(need, 256 if table is None else 2 * table[0].shape[0])
+            freqs = torch.arange(n, dtype=torch.float64, device=positions.device).unsqueeze(-1) * self.inv_freq
+            emb = torch.cat([freqs, freqs], -1)
+            table = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._rope_table = table
+        return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
+
     def forward(self, x, positions, visible, kv: RaggedKV | None):
         """x [B, Q, H], positions [B, Q], visible [B, Q, S] bool (S = Q without a cache)."""
         B, Q, _ = x.shape
         q = self.q_proj(x).view(B, Q, self.heads, self.dim).transpose(1, 2)
         k = self.k_proj(x).view(B, Q, self.kv_heads, self.dim).transpose(1, 2)
         v = self.v_proj(x).view(B, Q, self.kv_heads, self.dim).transpose(1, 2)
-        freqs = positions.unsqueeze(-1).double() * self.inv_freq  # [B, Q, D/2]
-        emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self._rope(positions, x.dtype)  # [B, 1, Q, D] each
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if kv is not None:
             k, v = kv.update(0, k, v)
         rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.unsqueeze(1))
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
 

@@ -362,3 +362,18 @@ def test_deferred_catch_up_drafts_like_an_eager_head(llava, kind):
     assert len(deferred) >= 3, (sorted(eager), sorted(mixed))
     bad = [(key, mixed[key], eager[key]) for key in common if mixed[key][0] != eager[key][0]]
     assert not bad, (len(common), bad)
+
+
+def test_rope_table_equals_direct_angles():
+    """The CPU RoPE table (grown past its first 256 positions, per dtype) gives the same cos /
+    sin as computing the angles directly in float64."""
+    from mmspec.drafters.eagle_head import HeadAttention
+
+    att = HeadAttention(EagleHeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                        num_key_value_heads=4, vocab_size=10))
+    for dtype, positions in ((torch.float64, torch.tensor([[0, 5, 255]])), (torch.float64, torch.tensor([[3, 700, 1]])),
+                             (torch.float32, torch.tensor([[9, 1000]]))):
+        cos, sin = att._rope(positions, dtype)
+        freqs = positions.unsqueeze(-1).double() * att.inv_freq
+        emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
+        assert cos.dtype == dtype and torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
