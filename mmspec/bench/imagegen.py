@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from mmspec.testbed.judge_model import JUDGE_DIR
+
 # The bundled generator, found from the installed package (the repository root holds assets/),
 # so `mmspec demo` / `mmspec generate` work from any working directory.
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "imagegen")
@@ -46,7 +48,7 @@ class ImageBenchConfig:
     seed: int = 0
     threads: int | None = 2
     judge_images: int = 0  # > 0: judge plain vs lossy rules on this many images each
-    judge_dir: str = "assets/testbed/judge"
+    judge_dir: str = str(JUDGE_DIR)
 
     def __post_init__(self):
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):

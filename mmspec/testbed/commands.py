@@ -20,6 +20,8 @@ import argparse
 import json
 import os
 
+from mmspec.testbed.judge_model import JUDGE_DIR
+
 
 def cmd_data(args) -> int:
     from tqdm import tqdm
@@ -153,7 +155,7 @@ def add_subparsers(subparsers) -> None:
     p.add_argument("--n", type=int, default=16)
     p.set_defaults(func=cmd_samples)
     p = sub.add_parser("train-judge", help="train the judge (CPU, a few minutes)")
-    p.add_argument("--out", default="assets/testbed/judge")
+    p.add_argument("--out", default=str(JUDGE_DIR))
     p.add_argument("--train-scenes", type=int, default=10000)
     p.add_argument("--val-scenes", type=int, default=2000)
     p.add_argument("--steps", type=int, default=1200)
@@ -163,7 +165,7 @@ def add_subparsers(subparsers) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.set_defaults(func=cmd_train_judge)
     p = sub.add_parser("eval-judge", help="judge accuracy and Frechet distance on held-out scenes")
-    p.add_argument("--model", default="assets/testbed/judge")
+    p.add_argument("--model", default=str(JUDGE_DIR))
     p.add_argument("--n", type=int, default=1000)
     p.set_defaults(func=cmd_eval_judge)
     p = sub.add_parser("caption-stats", help="distinct captions and caption entropy per scene")

@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmspec.testbed.judge_model import JUDGE_DIR
+
 STAGES = ("vq", "data", "target", "drafter", "eval")
 GRID_BACKGROUNDS = ("plain", "gradient", "noise")
 
@@ -318,7 +320,7 @@ def contact_sheet(pixels: torch.Tensor, labels: torch.Tensor, real: torch.Tensor
 
 # ---------------------------------------------------------------------- command
 def run(cfg: ImageGenTrainConfig, out: str | Path, stages=STAGES, cache: str | Path | None = None,
-        judge_dir: str = "assets/testbed/judge") -> dict:
+        judge_dir: str = str(JUDGE_DIR)) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(cache) if cache is not None else out / "_cache"
@@ -370,7 +372,7 @@ def add_imagegen_command(subparsers) -> None:
     p.add_argument("--out", default="assets/testbed/imagegen")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--cache", default=None, help="folder for the encoded data (default OUT/_cache)")
-    p.add_argument("--judge", default="assets/testbed/judge")
+    p.add_argument("--judge", default=str(JUDGE_DIR))
     for f in dataclasses.fields(ImageGenTrainConfig):
         default = getattr(d, f.name)
         flag = "--" + f.name.replace("_", "-")

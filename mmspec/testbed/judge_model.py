@@ -21,10 +21,16 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+# The bundled judge (a path that does not depend on the working directory).
+JUDGE_DIR = Path(__file__).resolve().parents[2] / "assets" / "testbed" / "judge"
 
 
 @dataclass(frozen=True)

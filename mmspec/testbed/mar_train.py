@@ -53,6 +53,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mmspec.testbed.judge_model import JUDGE_DIR
+
 
 STAGES = ("vae", "target", "drafter", "eval")
 
@@ -208,7 +210,7 @@ def train_mar(c, model, latents, labels, steps, tag, log, bar):
 
 
 @torch.no_grad()
-def vae_quality(vae, c: MARTrainConfig, judge_dir: str = "assets/testbed/judge") -> dict:
+def vae_quality(vae, c: MARTrainConfig, judge_dir: str = str(JUDGE_DIR)) -> dict:
     """PSNR and judge scores of the VAE's reconstructions of `n_eval` validation scenes (the
     ceiling for any generator on these latents)."""
     from mmspec.testbed.judge_model import Judge
@@ -314,7 +316,7 @@ def run(c: MARTrainConfig, out_dir: str, stages=STAGES, work: str | None = None)
 
 
 @torch.no_grad()
-def evaluate(pipe, c: MARTrainConfig, out_dir: str | None = None, judge_dir: str = "assets/testbed/judge") -> dict:
+def evaluate(pipe, c: MARTrainConfig, out_dir: str | None = None, judge_dir: str = str(JUDGE_DIR)) -> dict:
     """Judge class / colour / shape accuracy and Frechet of `n_eval` plain and `n_eval` CSpD
     samples (class labels 0..31 in turn, seed `c.seed`), with the sampler's counters; with
     `out_dir`, a contact sheet of the first 128 plain samples under real scenes."""
