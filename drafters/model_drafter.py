@@ -44,12 +44,12 @@ def drafter_spec(model, prepack) -> ForwardSpec:
             f"model must be a transformers PreTrainedModel or an mmspec.spec.ForwardSpec, got {type(model).__name__}"
         )
     from mmspec.models.hf_target import check_supported, spec_class
-    from mmspec.models.prepack import maybe_packed
+    from mmspec.models.prepack import kernels_of, maybe_packed
 
     check_supported(model)
     run = maybe_packed(model, prepack)
     spec = spec_class(model)(run, source=model)
-    spec.kernels = "prepacked" if run is not model else "stock"
+    spec.kernels = kernels_of(run, model)
     return spec
 
 

@@ -317,3 +317,75 @@ def test_a_reused_target_follows_model_changes_between_calls(llama32):
         handle.remove()
     assert (first.sequences[:, ids.shape[1]:] != forced).any()
     assert (second.sequences[:, ids.shape[1]:] == forced).all()
+
+
+def test_kernel_policy_picks_the_nearest_measured_row_count():
+    from mmspec.models.kernel_choice import KernelPolicy
+
+    pol = KernelPolicy((1, 2, 8, 32), (False, True, True, False))
+    # log-nearest: 5 -> 8, 16 -> tie between 8 and 32 -> the smaller, 20 -> 32
+    want = {1: False, 2: True, 3: True, 5: True, 8: True, 16: True, 20: False, 32: False, 500: False}
+    assert {m: pol.use_packed(m) for m in want} == want
+    assert pol.uniform is None and pol.describe().startswith("mixed by rows (stock at 1, prepacked at 2")
+    assert KernelPolicy((1, 8), (True, True)).describe() == "prepacked"
+    assert KernelPolicy((1, 8), (False, False)).uniform is False
+    with pytest.raises(ValueError, match="rows"):
+        KernelPolicy((8, 1), (True, False))
+
+
+def test_packed_linear_follows_its_policy():
+    """Rows the policy sends to stock go through F.linear itself (bit-identical); the others
+    through the packed kernel (float32 rounding)."""
+    import torch.nn.functional as F
+
+    from mmspec.models.kernel_choice import KernelPolicy
+
+    lin = torch.nn.Linear(64, 48)
+    seen = []
+
+    class Spy(KernelPolicy):
+        __slots__ = ()
+
+        def use_packed(self, m):
+            seen.append(m)
+            return super().use_packed(m)
+
+    packed = PackedLinear(lin, policy=Spy((1, 8), (False, True)))
+    with torch.no_grad():
+        for shape in ((1, 64), (1, 1, 64), (2, 4, 64), (8, 64)):
+            x = torch.randn(*shape)
+            got, ref = packed(x), F.linear(x, lin.weight, lin.bias)
+            if x.numel() // 64 == 1:
+                assert torch.equal(got, ref)
+            else:
+                assert torch.allclose(got, ref, rtol=0, atol=1e-5)
+    assert seen == [1, 1, 8, 8]
+
+
+def test_auto_kernels_mixed_by_row_count(monkeypatch):
+    """When the packed kernel measures faster only at some row counts, 'auto' builds the view
+    with that policy, says so in `kernels`, and greedy decoding still equals plain generate."""
+    from mmspec.models import kernel_choice
+
+    def fake_time(fn, reps):
+        name = getattr(fn, "__qualname__", "")
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+        m = next(iter(cells["inputs"].values())).shape[0]  # the row count this pass runs at
+        return (2.0 if m == 1 else 1.0) if "packed" in name else 1.5  # packed loses at 1 row, wins at more
+
+    monkeypatch.setattr(kernel_choice, "_time", fake_time)
+    model = tiny_llama(layers=1, seed=5, vocab=V, hidden=48, dtype=torch.float32)
+    target = HFTarget(model)
+    assert target.kernels.startswith("mixed by rows (stock at 1, prepacked at 2")
+    view = target.runner.spec.model
+    assert all(m.policy is not None for m in view.modules() if isinstance(m, PackedLinear))
+    assert HFTarget(model, prepack=True).kernels == "prepacked"  # True: packed at every row count
+    assert HFTarget(model).kernels.startswith("mixed")  # and "auto" restores the measured policy
+    ids, mask = left_padded([6, 4], vocab=V, seed=2)
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, min_new_tokens=10,
+                         pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(ref.scores, 1).topk(2, -1).values
+    assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-3  # no near-tie for float32 rounding to flip
+    out = mmspec.speculative_generate(target, ModelDrafter(noisy_copy(model, 0.3), 3, prepack=False), ids, mask,
+                                      temperature=0, max_new_tokens=10, pad_token_id=0)
+    assert torch.equal(out.sequences, ref.sequences)

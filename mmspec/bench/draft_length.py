@@ -45,7 +45,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
     import mmspec
     from mmspec.drafters import ModelDrafter
     from mmspec.models.hf_target import HFTarget
-    from mmspec.models.prepack import packed_model
+    from mmspec.models.prepack import maybe_packed
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -60,7 +60,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
         agreement = round(greedy_agreement(target, drafter, probe), 3)
         t_wrap = HFTarget(target)  # wrapped once, reused by every call (the kernel choice is made here)
         kernels = t_wrap.kernels
-        gen_model = packed_model(target) if kernels == "prepacked" else target
+        gen_model = maybe_packed(target)  # the same view (and kernel policy) as the wrap's
         pairs_info[pair_name] = {"perturbation": pc.perturbation, "greedy_agreement": agreement, "kernels": kernels}
         progress(f"pair {pair_name}: greedy agreement {agreement:.0%}, mmspec kernels {kernels}")
         for B in config.batch_sizes:

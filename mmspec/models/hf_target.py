@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 
 from mmspec.models.hf_spec import HFSpec, text_vocab_size
-from mmspec.models.prepack import maybe_packed
+from mmspec.models.prepack import kernels_of, maybe_packed
 from mmspec.models.qwen2vl_spec import MROPE_MODEL_TYPES, Qwen2VLSpec
 from mmspec.models.qwen2vl_spec import model_type as model_type_of
 from mmspec.spec_target import SpecTarget, chain_visibility
@@ -76,7 +76,7 @@ class HFTarget(SpecTarget):
         self.model = model
         run = maybe_packed(model, prepack)
         spec = spec_class(model)(run, source=model)
-        spec.kernels = "prepacked" if run is not model else "stock"
+        spec.kernels = kernels_of(run, model)
         self.kernels = spec.kernels
         super().__init__(spec)
 

@@ -1,15 +1,23 @@
 """Choose the linear kernels by measuring them on this machine, not by assuming.
 
 On some CPUs oneDNN's prepacked linear (mmspec/models/prepack.py) is much faster than stock
-`F.linear` at the few-row shapes of decoding and verification; on others it is slower. For
-`prepack="auto"` we time both on the model's own linear shapes (each distinct weight shape
-once, weighted by how many layers have it) at the row counts that matter (1 for plain
-decoding and drafting, a verify's K+1 and a batch's B*(K+1)), a few hundred milliseconds at
-most, and keep the faster one. The result is cached per model and shape set.
+`F.linear` at the few-row shapes of decoding and verification; on others it is slower; and on
+one CPU the answer can depend on the number of rows. Measured on our 2-core VM, the 50M bench
+target's linear layers: prepacked 2-7% *slower* at 1 row (plain decoding, drafting at batch 1),
+15-25% faster at 2-8 rows (a batch-1 verify, small batches), 3% faster at 32 rows. One choice
+per model loses at one of these shapes, so the choice is made per row count.
+
+For `prepack="auto"` we time both kernels on the model's own linear layers, run in sequence as
+a forward runs them (so weights come from memory, not from a cache kept warm by repeating one
+layer), at a few row counts (`ROWS`), a few hundred milliseconds at most, and keep per row
+count the faster one (prepacked only when at least 5% faster: it costs memory). The result is
+a `KernelPolicy` that each packed linear consults with its input's row count (the nearest
+measured row count, in log scale, decides); it is cached per model and layer-shape set.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections import Counter
@@ -17,13 +25,52 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-ROWS = (1, 5, 32)  # decode / draft step, a batch-1 verify, a batched verify
+ROWS = (1, 2, 8, 32)  # decode / draft step at batch 1, a short verify, a batch-1 verify or small batch, a batched verify
 MARGIN = 0.95  # prepacked must be at least 5% faster to be chosen (it costs memory)
+ROUNDS = 5  # alternating passes per kernel and row count (fewer when the budget runs out)
+PASS_BYTES = 64 << 20  # a timed pass reads at most this much weight (beyond any CPU cache)
 _CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
+class KernelPolicy:
+    """Which kernel a linear layer uses for an input of M rows: the decision measured at the
+    row count nearest to M in log scale (ties go to the smaller one)."""
+
+    __slots__ = ("rows", "packed", "_memo")
+
+    def __init__(self, rows: tuple[int, ...], packed: tuple[bool, ...]):
+        if len(rows) != len(packed) or not rows or list(rows) != sorted(set(rows)) or rows[0] < 1:
+            raise ValueError(f"rows must be increasing ints >= 1 with one decision each, got {rows}, {packed}")
+        self.rows, self.packed = tuple(rows), tuple(bool(p) for p in packed)
+        self._memo: dict[int, bool] = {}
+
+    def use_packed(self, m: int) -> bool:
+        hit = self._memo.get(m)
+        if hit is None:
+            lm = math.log(max(m, 1))
+            best = min(range(len(self.rows)), key=lambda i: (abs(lm - math.log(self.rows[i])), i))
+            hit = self._memo[m] = self.packed[best]
+        return hit
+
+    @property
+    def uniform(self) -> bool | None:
+        """True / False when every row count takes the same kernel, else None."""
+        return self.packed[0] if len(set(self.packed)) == 1 else None
+
+    def describe(self) -> str:
+        if self.uniform is not None:
+            return "prepacked" if self.uniform else "stock"
+        parts = [f"{'prepacked' if p else 'stock'} at {r}" for r, p in zip(self.rows, self.packed)]
+        return "mixed by rows (" + ", ".join(parts) + ")"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, KernelPolicy) and (self.rows, self.packed) == (other.rows, other.packed)
+
+    def __repr__(self) -> str:
+        return f"KernelPolicy({self.rows}, {self.packed})"
+
+
 def _time(fn, reps: int) -> float:
-    fn()  # warm-up (and the packed weight's first reorder)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
@@ -31,41 +78,58 @@ def _time(fn, reps: int) -> float:
 
 
 @torch.no_grad()
-def measure(model: torch.nn.Module, rows: tuple[int, ...] = ROWS, budget_s: float = 0.25) -> dict:
-    """Seconds per forward of the model's linear layers on each kernel, and the choice."""
+def measure(model: torch.nn.Module, rows: tuple[int, ...] = ROWS, budget_s: float = 0.4) -> dict:
+    """Seconds per pass over the model's linear layers on each kernel at each row count, and
+    the resulting `KernelPolicy` (`"prepack"`: True when any row count takes the packed kernel).
+
+    A pass runs the model's own `nn.Linear` layers one after the other, in module order, as a
+    forward does, so each weight is read from memory as it would be in decoding (a loop over
+    one layer would keep its weight in cache and flatter whichever kernel is cache-bound).
+    For large models the pass covers the first layers up to `PASS_BYTES` of weights, which is
+    far beyond any CPU cache. The kernels alternate pass by pass and each keeps its fastest
+    pass: interference (another process, a page fault) only ever adds time."""
     from mmspec.models.prepack import PackedLinear
 
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in linears)
-    key = tuple(sorted(shapes.items()))
+    key = (tuple(sorted(shapes.items())), tuple(rows))
     cached = _CACHE.get(model)
     if cached is not None and cached["key"] == key:
         return cached["result"]
-    examples = {}
+    chosen, size = [], 0
     for m in linears:
-        examples.setdefault((m.in_features, m.out_features, m.bias is not None), m)
-    stock = packed = 0.0
+        if size >= PASS_BYTES:
+            break
+        chosen.append(m)
+        size += m.weight.numel() * m.weight.element_size()
+    packed_layers = [PackedLinear(m) for m in chosen]
+    dtype = chosen[0].weight.dtype if chosen else torch.float32
+    per_rows = {}
     start = time.perf_counter()
-    for shape, count in sorted(shapes.items(), key=lambda kv: -kv[1] * kv[0][0] * kv[0][1]):
-        lin = examples[shape]
-        packed_lin = PackedLinear(lin)
-        for M in rows:
-            x = torch.randn(M, lin.in_features, dtype=lin.weight.dtype)
-            def stock_call():
-                return F.linear(x, lin.weight, lin.bias)
+    for j, M in enumerate(rows):
+        inputs = {n: torch.randn(M, n, dtype=dtype) for n in {m.in_features for m in chosen}}
 
-            def packed_call():
-                return packed_lin(x)
+        def stock_call():
+            for m in chosen:
+                F.linear(inputs[m.in_features], m.weight, m.bias)
 
-            # Alternate the kernels so a drift of the machine hits both alike.
-            s_t = p_t = 0.0
-            for _ in range(2):
-                s_t += _time(stock_call, 2)
-                p_t += _time(packed_call, 2)
-            stock += count * s_t
-            packed += count * p_t
-        if time.perf_counter() - start > budget_s:
-            break  # the largest shapes (most of the time) are measured first
-    result = {"stock_s": stock, "prepacked_s": packed, "prepack": packed < MARGIN * stock}
+        def packed_call():
+            for m in packed_layers:
+                m(inputs[m.in_features])
+
+        stock_call(), packed_call()  # warm-up (allocator, first-call dispatch)
+        s_t = p_t = float("inf")
+        for r in range(ROUNDS):
+            s_t = min(s_t, _time(stock_call, 1))
+            p_t = min(p_t, _time(packed_call, 1))
+            if r >= 1 and time.perf_counter() - start > budget_s * (j + 1) / len(rows):
+                break  # at least two passes each; the budget is shared by the row counts
+        per_rows[M] = (s_t, p_t)
+    policy = KernelPolicy(tuple(rows), tuple(p < MARGIN * s for s, p in per_rows.values()))
+    result = {
+        "stock_s": sum(s for s, _ in per_rows.values()), "prepacked_s": sum(p for _, p in per_rows.values()),
+        "rows": {M: {"stock_s": s, "prepacked_s": p} for M, (s, p) in per_rows.items()},
+        "policy": policy, "prepack": any(policy.packed), "layers_timed": len(chosen), "layers": len(linears),
+    }
     _CACHE[model] = {"key": key, "result": result}
     return result

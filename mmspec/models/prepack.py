@@ -48,8 +48,10 @@ class PackedLinear(torch.nn.Module):
     """`nn.Linear` sharing the original's parameters (and carrying copies of its hooks and
     training flag) and computing with a packed copy of its weight."""
 
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8, reuse: "PackedLinear | None" = None):
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int = 8, reuse: "PackedLinear | None" = None,
+                 policy=None):
         super().__init__()
+        self.policy = policy  # None: always the packed kernel; else a KernelPolicy choosing by row count
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter object: no copy of the dense weight
         self.bias = linear.bias
@@ -76,6 +78,9 @@ class PackedLinear(torch.nn.Module):
             or torch.is_grad_enabled()
         ):
             return F.linear(x, w, self.bias)  # training, moved or converted: the plain kernel, always current
+        policy = self.policy
+        if policy is not None and not policy.use_packed(x.numel() // self.in_features):
+            return F.linear(x, w, self.bias)  # the stock kernel measured faster at this row count
         if w._version != self._version or w.data_ptr() != self._ptr:
             self._repack()  # the weight changed in place (or its .data was swapped) since it was packed
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
@@ -129,7 +134,8 @@ def _copy_hooks(src: torch.nn.Module, dst: torch.nn.Module) -> None:
             setattr(dst, name, type(value)(value))
 
 
-def _view(module: torch.nn.Module, memo: dict, reuse: dict, into: torch.nn.Module | None = None) -> torch.nn.Module:
+def _view(module: torch.nn.Module, memo: dict, reuse: dict, into: torch.nn.Module | None = None,
+          policy=None) -> torch.nn.Module:
     if id(module) in memo:
         return memo[id(module)]
     if type(module) is not torch.nn.Linear:
@@ -145,9 +151,9 @@ def _view(module: torch.nn.Module, memo: dict, reuse: dict, into: torch.nn.Modul
         new._modules = {}
         memo[id(module)] = new  # before the children: a child may refer back to a shared module
         for name, child in module._modules.items():
-            new._modules[name] = None if child is None else _view(child, memo, reuse)
+            new._modules[name] = None if child is None else _view(child, memo, reuse, policy=policy)
         return new
-    new = PackedLinear(module, reuse=reuse.get(id(module.weight)))
+    new = PackedLinear(module, reuse=reuse.get(id(module.weight)), policy=policy)
     memo[id(module)] = new
     return new
 
@@ -196,10 +202,10 @@ def _fingerprint(model: torch.nn.Module) -> tuple[tuple, list]:
 
 
 class _Entry:
-    __slots__ = ("view", "ids", "refs")
+    __slots__ = ("view", "ids", "refs", "policy")
 
-    def __init__(self, view, ids, mods):
-        self.view, self.ids = view, ids
+    def __init__(self, view, ids, mods, policy=None):
+        self.view, self.ids, self.policy = view, ids, policy
         self.refs = [weakref.ref(m) for m in mods]
 
     def current(self, ids, mods) -> bool:
@@ -211,25 +217,45 @@ _VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, _Entry]" = weakref.WeakKeyDi
 _SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def packed_model(model: torch.nn.Module) -> torch.nn.Module:
+_KEEP = object()
+
+
+def packed_model(model: torch.nn.Module, policy=_KEEP) -> torch.nn.Module:
     """A view of `model` whose `nn.Linear` layers run on prepacked weights (cached per
     model; the model itself is left untouched). Every call checks the cached view against
     the model (`_fingerprint`) and rebuilds it in place when the model changed (a hook added
     or removed, a module or parameter replaced, `.train()` / `.eval()`, ...); unchanged
-    weights keep their packed copies."""
+    weights keep their packed copies. `policy` (a `kernel_choice.KernelPolicy`, or None for
+    the packed kernel at every row count) sets which kernel each row count uses; left out,
+    the view keeps the policy it has."""
     ids, mods = _fingerprint(model)
     entry = _VIEWS.get(model)
     if entry is None:
-        view = _view(model, {}, {})
-        _VIEWS[model] = _Entry(view, ids, mods)
+        pol = None if policy is _KEEP else policy
+        view = _view(model, {}, {}, policy=pol)
+        _VIEWS[model] = _Entry(view, ids, mods, pol)
         _SOURCES[view] = weakref.ref(model)
         return view
     if not entry.current(ids, mods):
         view = entry.view
         reuse = {id(m.weight): m for m in view.modules() if isinstance(m, PackedLinear)}
-        _view(model, {}, reuse, into=view)
+        _view(model, {}, reuse, into=view, policy=entry.policy)
         entry.ids, entry.refs = ids, [weakref.ref(m) for m in mods]
+    if policy is not _KEEP and policy != entry.policy:
+        entry.policy = policy
+        for m in entry.view.modules():
+            if isinstance(m, PackedLinear):
+                m.policy = policy
     return entry.view
+
+
+def kernels_of(run: torch.nn.Module, model: torch.nn.Module) -> str:
+    """How `run` (the model itself or its packed view) computes its linear layers."""
+    if run is model:
+        return "stock"
+    entry = _VIEWS.get(model)
+    policy = entry.policy if entry is not None and entry.view is run else None
+    return "prepacked" if policy is None else policy.describe()
 
 
 def refresh(module: torch.nn.Module) -> torch.nn.Module:
@@ -242,5 +268,14 @@ def refresh(module: torch.nn.Module) -> torch.nn.Module:
         return module
     return packed_model(model)
 def maybe_packed(model: torch.nn.Module, prepack="auto") -> torch.nn.Module:
-    """`packed_model(model)` when `should_prepack(model, prepack)`, else `model`."""
-    return packed_model(model) if should_prepack(model, prepack) else model
+    """`model`, or its packed view when `should_prepack(model, prepack)`: with True the packed
+    kernel at every row count, with "auto" the measured `KernelPolicy` (the faster kernel per
+    row count; the view is used only when some row count prefers the packed one)."""
+    if not should_prepack(model, prepack):
+        return model
+    if prepack is True:
+        return packed_model(model, policy=None)
+    from mmspec.models.kernel_choice import measure
+
+    policy = measure(model)["policy"]
+    return packed_model(model, policy=None if policy.uniform else policy)
