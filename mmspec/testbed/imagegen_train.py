@@ -55,17 +55,17 @@ class ImageGenTrainConfig:
     threads: int = 1
     device: str = "cpu"
     # VQ: 64x64 -> 8x8 codes
-    vq_steps: int = 1000
+    vq_steps: int = 2500  # the bundle's (defaults = the bundled run, assets/testbed/README.md)
     vq_codebook_size: int = 512
     # generator data: single-object scenes
-    n_train: int = 16000
+    n_train: int = 48000  # distinct scenes: 16000 were memorised by 4000 steps
     n_val: int = 512
     backgrounds: tuple[str, ...] = GRID_BACKGROUNDS
     # target GPT
     dim: int = 192
     n_layer: int = 4
     n_head: int = 4
-    steps: int = 1000
+    steps: int = 4000
     batch_size: int = 32
     lr: float = 2e-3
     warmup: int = 60
@@ -75,7 +75,7 @@ class ImageGenTrainConfig:
     drafter_dim: int = 128
     drafter_layers: int = 1
     drafter_heads: int = 2
-    drafter_steps: int = 600
+    drafter_steps: int = 1200
     # evaluation
     n_eval: int = 256
     guidance_scale: float = 3.0  # the default guidance; `eval` also compares `guidance_grid`
