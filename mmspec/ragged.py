@@ -110,6 +110,9 @@ class RaggedKV:
         # Plan of the forward in flight (set by `plan_prefill` / `plan`).
         self.write_rows: torch.Tensor | None = None  # [B, Q]
         self.write_slots: torch.Tensor | None = None  # [B, Q]
+        # (start, stop) when every row writes the same consecutive slots (a host-side fact:
+        # equal lengths): the keys / values are then copied into a slice, not scattered.
+        self.write_slice: tuple[int, int] | None = None
         self.kv_len = 0
         self.past_len = 0  # slots before the first new token (0 at prefill)
 
@@ -123,6 +126,7 @@ class RaggedKV:
         device = attention_mask.device
         self.write_rows = torch.arange(B, device=device).unsqueeze(1).expand(B, L)
         self.write_slots = torch.arange(L, device=device).unsqueeze(0).expand(B, L)
+        self.write_slice = (0, L)
         self.kv_len, self.past_len = L, 0
         q_pos = self.slot_pos[:, :L]
         return Attention(visible=None, key_padding=attention_mask.bool(), q_pos=q_pos, slot_pos=q_pos)
@@ -139,7 +143,9 @@ class RaggedKV:
         max_len = max(self.length_host) if self.length_host else 0
         kv_len = max_len + T + Q
         self.ensure_capacity(kv_len)
-        if self.unpadded and T == 0 and Q == 1 and min(self.length_host) == max_len:
+        equal = bool(self.length_host) and min(self.length_host) == max_len
+        self.write_slice = (max_len + T, max_len + T + Q) if equal else None
+        if self.unpadded and T == 0 and Q == 1 and equal:
             # Plain decoding step of equal-length unpadded rows: everything is visible.
             self.write_rows = torch.arange(B, device=device).unsqueeze(1)
             self.write_slots = self.length.unsqueeze(1)
@@ -192,8 +198,13 @@ class RaggedKV:
             self.keys[layer_idx] = k.new_zeros(B, H, self.capacity, D)
             self.values[layer_idx] = v.new_zeros(B, H, self.capacity, v.shape[-1])
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.write_rows, :, self.write_slots] = k.transpose(1, 2)
-        values[self.write_rows, :, self.write_slots] = v.transpose(1, 2)
+        if self.write_slice is not None:
+            a, b = self.write_slice
+            keys[:, :, a:b] = k
+            values[:, :, a:b] = v
+        else:
+            keys[self.write_rows, :, self.write_slots] = k.transpose(1, 2)
+            values[self.write_rows, :, self.write_slots] = v.transpose(1, 2)
         n = self.kv_len
         return keys[:, :, :n], values[:, :, :n]
 
