@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmspec.adaptive import DraftLengthController
+from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.ragged import RaggedKV
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.spec_target import chain_visibility
@@ -132,7 +133,10 @@ class HeadAttention(nn.Module):
             freqs = positions.unsqueeze(-1).double() * self.inv_freq
             emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
             return emb.cos().to(dtype), emb.sin().to(dtype)
-        need = int(positions.max()) + 1 if positions.numel() else 1
+        lo, hi = torch.aminmax(positions) if positions.numel() else (torch.zeros(()), torch.zeros(()))
+        if int(lo) < 0:  # a table lookup would wrap around silently
+            raise ValueError(f"RoPE positions must be >= 0, got {int(lo)}")
+        need = int(hi) + 1
         table = getattr(self, "_rope_table", None)
         if table is None or table[0].shape[0] < need or table[0].dtype != dtype or table[0].device != positions.device:
             n = max(need, 256 if table is None else 2 * table[0].shape[0])
@@ -306,9 +310,8 @@ class EagleHeadDrafter:
     whose spec exposes `embed` / `head`). Build it once per target and reuse it."""
 
     def __init__(self, target, head: EagleHead, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None,
-                 max_draft_tokens: int = 6):
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
-            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+                 max_draft_tokens: int | None = None):
+        max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6)
         # "auto" (chains): the loop picks K in 0..max_draft_tokens before every step from measured
         # costs and acceptance (mmspec/adaptive.py); K = 0 defers the head's catch-up.
         self.adaptive = num_draft_tokens == "auto" and tree is None
@@ -332,6 +335,7 @@ class EagleHeadDrafter:
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
         self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
+        self._deferred = False  # this step drafts nothing (K = 0): the head's catch-up waits
         self.draft_calls = 0
 
     def set_draft_length(self, k: int) -> None:
@@ -414,7 +418,7 @@ class EagleHeadDrafter:
         n, n_host = info.num_accepted, info.num_accepted_list
         B = n.shape[0]
         rows = torch.arange(B, device=n.device)
-        if getattr(self, "_deferred", False):
+        if self._deferred:
             # K = 0: the pending pairs were not run; append (h_root, next) to each row's list.
             h = target_out.hidden_states[:, 0].to(self.pending_hidden.dtype)
             P = max(self.pending_host) + 1 if self.pending_host else 1

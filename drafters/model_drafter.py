@@ -53,6 +53,19 @@ def drafter_spec(model, prepack) -> ForwardSpec:
     return spec
 
 
+
+def check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default: int) -> int:
+    """The largest K of an adaptive ("auto") chain drafter; `max_draft_tokens` is refused with a
+    fixed `num_draft_tokens`, where it would have no effect."""
+    if max_draft_tokens is None:
+        return default
+    if num_draft_tokens != "auto":
+        raise ValueError(f"max_draft_tokens={max_draft_tokens!r} only applies to num_draft_tokens='auto'; "
+                         f"with num_draft_tokens={num_draft_tokens!r} the draft length is fixed")
+    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
+        raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+    return max_draft_tokens
+
 class ModelDrafter:
     """Drafts with a small HF causal LM (or any `mmspec.spec.ForwardSpec`): a chain of
     `num_draft_tokens` tokens or, with `tree=TreeConfig(...)`, a dynamic tree (then
@@ -71,7 +84,7 @@ class ModelDrafter:
         num_draft_tokens: int | str | None = None,
         tree: TreeConfig | None = None,
         *,
-        max_draft_tokens: int = 8,
+        max_draft_tokens: int | None = None,
         prepack="auto",
     ):
         if tree is not None and not isinstance(tree, TreeConfig):
@@ -83,8 +96,7 @@ class ModelDrafter:
             )
         if num_draft_tokens is None:
             num_draft_tokens = "auto" if tree is None else 0  # trees draft tree.num_nodes
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or max_draft_tokens < 1:
-            raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
+        max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=8)
         self.adaptive = num_draft_tokens == "auto" and tree is None
         if self.adaptive:
             num_draft_tokens = max_draft_tokens

@@ -8,7 +8,8 @@ pipeline component) holds the trainable part of one of mmspec's VLM drafters:
 - `kind="vispec"`: an EAGLE head with ViSpec's vision adaptor (`ViSpecDrafter`).
 
 `num_draft_tokens` is a fixed chain length or `"auto"` (the loop picks K in
-0..`max_draft_tokens` per step from measured costs and acceptance; mmspec/adaptive.py).
+0..`max_draft_tokens`, default 6, per step from measured costs and acceptance; mmspec/adaptive.py;
+`max_draft_tokens` with a fixed length is refused).
 
 `build(target)` returns the runtime drafter for a target (checking that the head was built
 for it: width, vocabulary, image token). `PlainDecoding` drafts nothing, so
@@ -23,6 +24,7 @@ from diffusers.configuration_utils import register_to_config
 
 from mmspec.drafters import EagleHeadConfig, EagleHeadDrafter, ModelDrafter, NullDrafter, ViSpecDrafter
 from mmspec.drafters.eagle_head import head_class
+from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.types import TreeConfig
 
 KINDS = ("text", "eagle", "vispec")
@@ -34,7 +36,7 @@ class DrafterComponent(ModelMixin, ConfigMixin):
     @register_to_config
     def __init__(self, kind: str = "eagle", head_config: dict | None = None, lm_config: dict | None = None,
                  num_draft_tokens: int | str = 4, tree_depth: int = 0, tree_top_k: int = 0, tree_num_nodes: int = 0,
-                 max_draft_tokens: int = 6):
+                 max_draft_tokens: int | None = None):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
@@ -43,6 +45,7 @@ class DrafterComponent(ModelMixin, ConfigMixin):
         if num_draft_tokens != "auto" and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
                                            or num_draft_tokens < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
+        check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6)
         if kind == "text":
             from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -311,6 +311,13 @@ def test_auto_draft_length_refusals(llava):
     d = EagleHeadDrafter(model, head, "auto", max_draft_tokens=3)
     with pytest.raises(ValueError, match="draft length must be"):
         d.set_draft_length(4)
+    assert EagleHeadDrafter(model, head, "auto").num_draft_tokens == 6  # the default largest K
+    with pytest.raises(ValueError, match="max_draft_tokens=5 only applies to num_draft_tokens='auto'"):
+        EagleHeadDrafter(model, head, 3, max_draft_tokens=5)  # would have no effect: refused
+    from mmspec.drafters import ModelDrafter
+
+    with pytest.raises(ValueError, match="max_draft_tokens=5 only applies"):
+        ModelDrafter(model, 3, max_draft_tokens=5)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "vispec"])
@@ -377,3 +384,5 @@ def test_rope_table_equals_direct_angles():
         freqs = positions.unsqueeze(-1).double() * att.inv_freq
         emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
         assert cos.dtype == dtype and torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+    with pytest.raises(ValueError, match="RoPE positions must be >= 0"):
+        att._rope(torch.tensor([[3, -1]]), torch.float64)

@@ -200,6 +200,9 @@ def test_auto_draft_length_drafters_save_load_and_answer_like_plain(parts, tmp_p
     again.load_drafter("vispec-auto")
     assert again.drafter.config.num_draft_tokens == "auto" and again.drafter.config.max_draft_tokens == 4
     assert again(images, PROMPTS, max_new_tokens=12).texts == plain.texts
+    with pytest.raises(ValueError, match="max_draft_tokens=4 only applies"):
+        DrafterComponent(kind="eagle", head_config=base["eagle"].config.head_config, num_draft_tokens=3,
+                         max_draft_tokens=4)
     with pytest.raises(ValueError, match="'auto' is for chains"):
         DrafterComponent(kind="eagle", head_config=base["eagle"].config.head_config, num_draft_tokens="auto",
                          tree_depth=3, tree_top_k=2, tree_num_nodes=6)

@@ -100,7 +100,9 @@ def _variant(pipe, name: str, suffix: str, **changes) -> str:
 
 def tree_variant(pipe, name: str, tree: tuple[int, int, int]) -> str:
     """Register `<name>+tree`: the saved drafter `name` (same weights) drafting dynamic trees."""
-    return _variant(pipe, name, "tree", tree_depth=tree[0], tree_top_k=tree[1], tree_num_nodes=tree[2])
+    # a tree drafts tree_num_nodes nodes: the chain-length fields are reset (an "auto" drafter too)
+    return _variant(pipe, name, "tree", tree_depth=tree[0], tree_top_k=tree[1], tree_num_nodes=tree[2],
+                    num_draft_tokens=4, max_draft_tokens=None)
 
 
 def task_items(scenes, task: str) -> tuple[list, list]:
