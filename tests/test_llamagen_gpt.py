@@ -2,8 +2,9 @@
 through the `kv` callable, GQA, CFG sampling, save / load.
 
 The reference forward below is written from the official math (github.com/FoundationVision/
-LlamaGen, autoregressive/models/gpt.py) with other code paths than mmspec's: complex-number
-rotary embedding, explicit softmax attention, per-cell loops for the 2-D RoPE table."""
+LlamaGen, autoregressive/models/gpt.py) with other code paths than mmspec's: a complex RoPE
+table from `torch.polar` built by per-cell loops (mmspec stores cos / sin pairs), explicit
+softmax attention, q and k rotated separately (mmspec rotates them in one call)."""
 
 from __future__ import annotations
 

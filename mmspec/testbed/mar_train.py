@@ -77,6 +77,7 @@ class MARTrainConfig:
     mar_steps: int = 3000
     mar_batch: int = 64
     mar_lr: float = 1e-3
+    mask_ratio_min: float = 0.7  # MAR's training mask ratio is a truncated Gaussian on [mask_ratio_min, 1]
     target_dim: int = 128
     target_depth: int = 2
     target_head: tuple[int, int] = (2, 128)  # diffusion head depth, width
@@ -102,6 +103,8 @@ class MARTrainConfig:
         if self.vae_crop > 64 or self.vae_crop % stride:
             raise ValueError(f"MARTrainConfig.vae_crop must be <= 64 and a multiple of the VAE stride {stride}, "
                              f"got {self.vae_crop}")
+        if not 0.0 <= self.mask_ratio_min < 1.0:
+            raise ValueError(f"MARTrainConfig.mask_ratio_min must be in [0, 1), got {self.mask_ratio_min}")
         if self.n_eval < 2:
             raise ValueError("MARTrainConfig.n_eval must be >= 2 (Frechet needs a covariance)")
 
@@ -142,7 +145,7 @@ def make_mar(c: MARTrainConfig, dim: int, depth: int, head: tuple[int, int]):
                     encoder_depth=depth, encoder_num_heads=4, decoder_embed_dim=dim, decoder_depth=depth,
                     decoder_num_heads=4, vae_embed_dim=c.latent_channels, class_num=32, buffer_size=c.buffer_size,
                     diffloss_d=head[0], diffloss_w=head[1], num_sampling_steps=c.num_sampling_steps,
-                    diffusion_batch_mul=4, diffloss_clip_x0=c.clip_x0)
+                    diffusion_batch_mul=4, diffloss_clip_x0=c.clip_x0, mask_ratio_min=c.mask_ratio_min)
 
 
 def psnr(a, b):
