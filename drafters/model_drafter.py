@@ -122,6 +122,8 @@ class ModelDrafter:
         self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
+        self._prefill_args: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a deferred prompt prefill
+        self.plain_steps = 0
 
     # ---- protocol --------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, target_out: TargetOutput, model_inputs: dict[str, Any], max_new_tokens: int):
@@ -130,12 +132,20 @@ class ModelDrafter:
         else:
             region = self.num_draft_tokens + 2
         slots = input_ids.shape[1] + max_new_tokens + region + 2
-        self.runner.prefill(input_ids, attention_mask, slots, {})
         B = input_ids.shape[0]
         self.pending = input_ids.new_zeros(B, 0)
         self.pending_count = input_ids.new_zeros(B)
         self.pending_host = [0] * B
-        self.draft_calls = 1
+        self.plain_steps = 0  # K = 0 steps since the drafter last ran
+        if self.adaptive:
+            # Deferred to the first step that drafts: a request the controller decodes plainly
+            # throughout never pays for the drafter's prompt prefill.
+            self._prefill_args = (input_ids, attention_mask, slots)
+            self.draft_calls = 0
+        else:
+            self._prefill_args = None
+            self.runner.prefill(input_ids, attention_mask, slots, {})
+            self.draft_calls = 1
 
     def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
         B = roots.shape[0]
@@ -145,6 +155,7 @@ class ModelDrafter:
             # Plain decoding this step: no drafter forward; the root joins the tokens the
             # drafter will catch up on the next time it drafts.
             self._defer(roots)
+            self.plain_steps += 1
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         logits = self._catch_up(roots)  # [B, V] at the root
         if self.tree is not None:
@@ -188,7 +199,11 @@ class ModelDrafter:
             self.pending_host = list(n_host)
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
-        self.runner.select_rows(rows, rows_host)
+        if self._prefill_args is not None:
+            ids, mask, slots = self._prefill_args
+            self._prefill_args = (ids.index_select(0, rows), mask.index_select(0, rows), slots)
+        else:
+            self.runner.select_rows(rows, rows_host)
         self.pending = self.pending.index_select(0, rows)
         self.pending_count = self.pending_count.index_select(0, rows)
         self.pending_host = [self.pending_host[r] for r in rows_host]
@@ -210,7 +225,17 @@ class ModelDrafter:
         self.pending_count = self.pending_count + 1
         self.pending_host = [c + 1 for c in self.pending_host]
     def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
-        """Run pending tokens + root; returns drafter logits [B, V] at the root."""
+        """Run pending tokens + root (after the deferred prompt prefill, if any); returns
+        drafter logits [B, V] at the root."""
+        if self._prefill_args is not None or self.plain_steps:
+            if self.controller is not None:  # one-off work, not the per-step cost of drafting
+                self.controller.skip_draft_cost_once()
+            if self._prefill_args is not None:
+                ids, mask, slots = self._prefill_args
+                self.runner.prefill(ids, mask, slots, {})
+                self.draft_calls += 1
+                self._prefill_args = None
+            self.plain_steps = 0
         B, P = self.pending.shape
         rows = torch.arange(B, device=roots.device)
         tokens = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)

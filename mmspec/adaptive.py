@@ -19,8 +19,18 @@ Model (per step, B active rows, K drafts per row):
   speculation has costs a per-step model does not see (rows drift apart, so later steps lose
   the equal-length fast path and the batch thins out unevenly), and near-ties are where
   estimation noise decides; the margin keeps those steps plain.
-- Exploration is deterministic: a short warm-up over a few K values, then every `probe_every`
-  steps the neighbour of the current choice is tried, so the estimates stay fresh.
+- Exploration is deterministic: a short warm-up over a few K values, then probes of the
+  neighbour of the current choice, so the estimates stay fresh. The first probe comes
+  `probe_every` steps after the warm-up; a probe after which the choice stays what it was
+  doubles the gap to the next one (up to `max_probe_every`), a probe that changes it resets
+  the gap. A pair whose speculation never pays thus stops paying for probes (each one makes
+  the drafter catch up on every token since it last ran), while a change in acceptance is
+  still found within `max_probe_every` steps. The controller lives on the drafter, so the
+  gaps carry over from one call to the next.
+- Steps whose drafting included one-off work (the drafter catching up after plain steps,
+  or its deferred prompt prefill; the drafter reports it through `skip_draft_cost_once`)
+  teach the acceptance and verify estimates but not the per-step drafting cost, which
+  would otherwise count a one-time cost as the steady-state price of speculating.
 
 Because K depends only on finished steps, the output distribution is untouched: each step
 verifies its draft exactly, whatever K was (greedy output is identical for every K).
@@ -90,6 +100,7 @@ class DraftLengthController:
         decay: float = 0.9,
         warmup: tuple[int, ...] | None = None,
         probe_every: int = 16,
+        max_probe_every: int = 64,
         min_gain: float = 0.04,
     ):
         if not isinstance(k_max, int) or k_max < 0:
@@ -104,7 +115,17 @@ class DraftLengthController:
         k0 = min(3, k_max)
         # Two draft lengths give the cost lines two points; everything after is chosen.
         self.warmup = list(warmup if warmup is not None else (k0, min(1, k_max), k0))
+        if not isinstance(probe_every, int) or probe_every < 0:
+            raise ValueError(f"probe_every must be an int >= 0 (0: never probe), got {probe_every!r}")
+        if not isinstance(max_probe_every, int) or max_probe_every < probe_every:
+            raise ValueError(f"max_probe_every must be an int >= probe_every={probe_every}, got {max_probe_every!r}")
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.probe_gap = probe_every  # steps from one probe to the next (grows while probes change nothing)
+        self.next_probe = len(self.warmup) + probe_every if probe_every else None
+        self.probes = 0
+        self._probe_base: int | None = None  # the choice a pending probe deviated from
+        self._skip_draft_cost = False
         if not 0.0 <= float(min_gain) < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
         self.min_gain = float(min_gain)
@@ -142,19 +163,37 @@ class DraftLengthController:
         elif self.steps < len(self.warmup):
             k = self.warmup[self.steps]
         else:
-            rates = {k: self.rate(batch, k) for k in range(self.k_max + 1)}
-            known = {k: r for k, r in rates.items() if r is not None}
-            k = max(known, key=known.get) if known else self.last_choice
-            if k > 0 and known.get(0) is not None and known[k] < (1.0 + self.min_gain) * known[0]:
-                k = 0  # speculation must pay by the margin
-            if self.probe_every and self.steps % self.probe_every == 0:
+            k = self._best(batch)
+            if self._probe_base is not None:  # the step after a probe: did it change the choice?
+                changed = k != self._probe_base
+                self.probe_gap = self.probe_every if changed else min(2 * self.probe_gap, self.max_probe_every)
+                self.next_probe = self.steps - 1 + self.probe_gap  # counted from the probe
+                self._probe_base = None
+            if self.next_probe is not None and self.steps >= self.next_probe:
                 # Keep the neighbours' estimates fresh: alternate above / below the choice.
-                step = 1 if (self.steps // self.probe_every) % 2 else -1
+                step = 1 if self.probes % 2 else -1
+                self.probes += 1
+                self._probe_base = k
                 k = min(max(k + step, 0), self.k_max)
+                if k == self._probe_base:  # at an end of 0..k_max: try the other side
+                    k = min(max(k - step, 0), self.k_max)
         self.last_choice = k
         self.history.append(k)
         self.steps += 1
         return k
+
+    def _best(self, batch: int) -> int:
+        rates = {k: self.rate(batch, k) for k in range(self.k_max + 1)}
+        known = {k: r for k, r in rates.items() if r is not None}
+        k = max(known, key=known.get) if known else self.last_choice
+        if k > 0 and known.get(0) is not None and known[k] < (1.0 + self.min_gain) * known[0]:
+            k = 0  # speculation must pay by the margin
+        return k
+
+    def skip_draft_cost_once(self) -> None:
+        """The current step's drafting includes one-off work (a catch-up after plain steps,
+        a deferred prefill): its seconds are not the per-step cost of drafting."""
+        self._skip_draft_cost = True
 
     def observe(self, batch: int, k: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
         """Learn from a finished step: per-row accepted drafts (by the rule, before any EOS cut)."""
@@ -171,8 +210,9 @@ class DraftLengthController:
             for i in range(k, self.k_max):
                 self.acc[i] = d * self.acc[i] + (1 - d) * pooled * self.tried[i]
         self.verify.observe((batch, k + 1), batch * (k + 1), verify_seconds)
-        if k > 0:
+        if k > 0 and not self._skip_draft_cost:
             self.draft.observe((batch, k), batch * k, draft_seconds)
+        self._skip_draft_cost = False
 
 
 def summarize(history: list[int]) -> dict[int, int]:

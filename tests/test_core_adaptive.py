@@ -41,6 +41,62 @@ def test_auto_with_zero_steps_in_between_stays_exact(target, good_drafter):
     assert 0 in out.stats.nodes_per_step and 5 in out.stats.nodes_per_step
 
 
+def test_drafter_prefill_is_deferred_to_the_first_drafting_step(target, good_drafter):
+    """An adaptive drafter runs its prompt prefill at the first step that drafts: a request
+    decoded plainly throughout never runs the drafter, and rows that end (EOS) before the
+    drafter first runs are dropped from the deferred prefill too; the output stays exact."""
+    ids, mask = left_padded([9, 5, 7, 3])
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=40, pad_token_id=0,
+                          eos_token_id=2)
+    new = ref[:, ids.shape[1]:]
+    first_eos = int((new == 2).float().argmax(1)[(new == 2).any(1)].min())
+    assert first_eos < 30  # a row ends while the drafter has not run yet
+    plain = ModelDrafter(good_drafter, "auto", max_draft_tokens=4)
+    plain.controller = DraftLengthController(4, warmup=(0,) * 40, probe_every=0)
+    out = mmspec.speculative_generate(target, plain, ids, mask, temperature=0, max_new_tokens=40, eos_token_id=2,
+                                      pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
+    assert plain.draft_calls == 0 and set(out.stats.nodes_per_step) == {0}
+    late = ModelDrafter(good_drafter, "auto", max_draft_tokens=4)
+    late.controller = DraftLengthController(4, warmup=(0,) * (first_eos + 2) + (4,) * 40, probe_every=0)
+    out = mmspec.speculative_generate(target, late, ids, mask, temperature=0, max_new_tokens=40, eos_token_id=2,
+                                      pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
+    assert late.draft_calls > 1 and 4 in out.stats.nodes_per_step
+
+
+def test_probes_back_off_while_they_change_nothing_and_recovery_is_still_found():
+    """A pair whose speculation never pays: the gap between probes doubles up to
+    max_probe_every, so far fewer drafting steps than one probe every probe_every steps;
+    when acceptance recovers, speculation is back on within a few max_probe_every (a probe
+    moves the discounted acceptance estimate only part of the way)."""
+    ctrl = DraftLengthController(8, probe_every=16, max_probe_every=64)
+    feed(ctrl, 1, 600, 0.02, flat_verify, 0.002)
+    spec_steps = [i for i, k in enumerate(ctrl.history) if k > 0 and i >= len(ctrl.warmup)]
+    assert 3 <= len(spec_steps) <= 12, spec_steps  # a probe every 16 steps would give 37
+    gaps = [b - a for a, b in zip(spec_steps, spec_steps[1:])]
+    assert gaps == sorted(gaps) and gaps[0] == 32 and max(gaps) == 64, gaps
+    start = len(ctrl.history)
+    feed(ctrl, 1, 200, 0.95, flat_verify, 0.002, seed=1)
+    on = next(i for i in range(start, len(ctrl.history) - 3) if all(k > 0 for k in ctrl.history[i:i + 4]))
+    assert on - start <= 3 * 64
+    assert sum(ctrl.history[-20:]) / 20 >= 3
+
+
+def test_one_off_drafting_work_is_not_learnt_as_the_drafting_cost():
+    ctrl = DraftLengthController(4, warmup=(2,), probe_every=0)
+    ctrl.choose(1)
+    ctrl.observe(1, 2, [2], 0.002, 0.010)
+    assert abs(ctrl.draft.estimate((1, 2), 2) - 0.002) < 1e-12
+    ctrl.choose(1)
+    ctrl.skip_draft_cost_once()  # e.g. a catch-up over 40 deferred tokens
+    ctrl.observe(1, 2, [2], 0.500, 0.010)
+    assert abs(ctrl.draft.estimate((1, 2), 2) - 0.002) < 1e-12
+    ctrl.choose(1)
+    ctrl.observe(1, 2, [2], 0.004, 0.010)  # the flag lasts one step
+    assert ctrl.draft.estimate((1, 2), 2) > 0.002
+
+
 def test_auto_exact_sampling_matches_enumerated_joint():
     target = tiny_llama(layers=2, seed=3, vocab=V, hidden=16)
     with torch.no_grad():
