@@ -131,17 +131,18 @@ class JacobiDrafter:
         logits = target_out.logits  # [B, N+1, V] (guided for CFG targets)
         self.have_logits = src <= N
         self.logits = logits.gather(1, src.clamp(max=N).unsqueeze(-1).expand(B, W, logits.shape[-1]))
-        if N > 0:
+        if self.coupling == "maximal" and N > 0:  # the previous drafts, for the coupling
             idx = src.clamp(max=N - 1)
             self.prev_valid = src < N
             self.prev_tokens = tokens.gather(1, idx)
             self.prev_q = None if q is None else q.gather(1, idx.unsqueeze(-1).expand(B, W, q.shape[-1]))
-        else:
+        elif self.coupling == "maximal":
             self.prev_valid = torch.zeros_like(self.prev_valid)
             self.prev_q = None
-        idx = src.clamp(max=W - 1)
-        self.noise_valid = self.noise_valid.gather(1, idx) & (src < W)
-        self.noise = self.noise.gather(1, idx.unsqueeze(-1).expand_as(self.noise))
+        if self.coupling == "gumbel":  # each position keeps its noise
+            idx = src.clamp(max=W - 1)
+            self.noise_valid = self.noise_valid.gather(1, idx) & (src < W)
+            self.noise = self.noise.gather(1, idx.unsqueeze(-1).expand_as(self.noise))
         self.remaining = [r - a - 1 for r, a in zip(self.remaining, info.num_accepted_list)]
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
