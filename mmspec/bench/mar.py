@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
-
-JUDGE_DIR = Path(__file__).resolve().parents[2] / "assets" / "testbed" / "judge"
+from mmspec.testbed.judge_model import JUDGE_DIR
 JUDGE_IMAGE_SIZE = 64  # the testbed world's image size, which the judge was trained on
 METHODS = ("plain", "cspd", "cspd-relaxed")
 
