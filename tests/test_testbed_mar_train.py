@@ -62,3 +62,12 @@ def test_bad_stage_and_config_refused(tmp_path):
         main(["testbed", "train-mar", "--out", str(tmp_path / "o"), "--vae-steps", "5", "--vae-full-steps", "9"])
     with pytest.raises(ValueError, match="vae_crop"):
         MARTrainConfig(vae_crop=20)
+
+
+def test_mask_ratio_min_reaches_the_model_and_is_checked(tmp_path):
+    from mmspec.testbed.mar_train import make_mar
+
+    c = MARTrainConfig(mask_ratio_min=0.5)
+    assert make_mar(c, 32, 1, (1, 32)).config.mask_ratio_min == 0.5
+    with pytest.raises(SystemExit, match="mask_ratio_min"):
+        main(["testbed", "train-mar", "--out", str(tmp_path / "o"), "--mask-ratio-min", "1.0"])
