@@ -25,8 +25,12 @@ Model (per step, B active rows, K drafts per row):
   doubles the gap to the next one (up to `max_probe_every`), a probe that changes it resets
   the gap. A pair whose speculation never pays thus stops paying for probes (each one makes
   the drafter catch up on every token since it last ran), while a change in acceptance is
-  still found within `max_probe_every` steps. The controller lives on the drafter, so the
-  gaps carry over from one call to the next.
+  still found within a few `max_probe_every` steps. A probe also costs what it costs: when
+  it changes nothing, the gap is at least long enough that probing takes at most
+  `probe_budget` (2%) of the time of plain steps, from the probe's measured extra seconds
+  over a plain step (at most `4 * max_probe_every` steps, so recovery stays bounded); at a
+  large batch a probe after a long plain stretch costs a few plain steps. The controller
+  lives on the drafter, so the gaps carry over from one call to the next.
 - Steps whose drafting included one-off work (the drafter catching up after plain steps,
   or its deferred prompt prefill; the drafter reports it through `skip_draft_cost_once`)
   teach the acceptance and verify estimates but not the per-step drafting cost, which
@@ -45,6 +49,7 @@ BanditSpec (Hou et al. 2025, arXiv 2505.15141) treats the choice of K as a bandi
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 
@@ -101,6 +106,7 @@ class DraftLengthController:
         warmup: tuple[int, ...] | None = None,
         probe_every: int = 16,
         max_probe_every: int = 64,
+        probe_budget: float = 0.02,
         min_gain: float = 0.04,
     ):
         if not isinstance(k_max, int) or k_max < 0:
@@ -119,8 +125,12 @@ class DraftLengthController:
             raise ValueError(f"probe_every must be an int >= 0 (0: never probe), got {probe_every!r}")
         if not isinstance(max_probe_every, int) or max_probe_every < probe_every:
             raise ValueError(f"max_probe_every must be an int >= probe_every={probe_every}, got {max_probe_every!r}")
+        if not 0.0 < float(probe_budget) <= 1.0:
+            raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget!r}")
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
+        self.probe_budget = float(probe_budget)
+        self._probe_seconds: float | None = None  # what the last probe step took
         self.probe_gap = probe_every  # steps from one probe to the next (grows while probes change nothing)
         self.next_probe = len(self.warmup) + probe_every if probe_every else None
         self.probes = 0
@@ -167,6 +177,11 @@ class DraftLengthController:
             if self._probe_base is not None:  # the step after a probe: did it change the choice?
                 changed = k != self._probe_base
                 self.probe_gap = self.probe_every if changed else min(2 * self.probe_gap, self.max_probe_every)
+                plain = self.seconds(batch, 0)
+                if not changed and plain and self._probe_seconds is not None:
+                    extra = max(self._probe_seconds - plain, 0.0)  # what probing cost over a plain step
+                    need = math.ceil(extra / (self.probe_budget * plain))
+                    self.probe_gap = max(self.probe_gap, min(need, 4 * self.max_probe_every))
                 self.next_probe = self.steps - 1 + self.probe_gap  # counted from the probe
                 self._probe_base = None
             if self.next_probe is not None and self.steps >= self.next_probe:
@@ -197,6 +212,8 @@ class DraftLengthController:
 
     def observe(self, batch: int, k: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
         """Learn from a finished step: per-row accepted drafts (by the rule, before any EOS cut)."""
+        if self._probe_base is not None:
+            self._probe_seconds = draft_seconds + verify_seconds
         d = self.decay
         for i in range(k):
             tried = sum(1 for n in accepted if n >= i)  # rows that reached draft i

@@ -83,6 +83,25 @@ def test_probes_back_off_while_they_change_nothing_and_recovery_is_still_found()
     assert sum(ctrl.history[-20:]) / 20 >= 3
 
 
+def test_expensive_probes_are_spaced_to_the_probe_budget():
+    """When a probe costs several plain steps (here 0.05 s of drafting against a 0.0101 s plain
+    step), the gap grows past max_probe_every until probing takes about probe_budget of the
+    plain time, and never past 4 * max_probe_every."""
+    ctrl = DraftLengthController(8, probe_every=16, max_probe_every=64, probe_budget=0.02)
+    feed(ctrl, 1, 2000, 0.02, flat_verify, 0.05)
+    spec_steps = [i for i, k in enumerate(ctrl.history) if k > 0 and i >= len(ctrl.warmup)]
+    gaps = [b - a for a, b in zip(spec_steps, spec_steps[1:])]
+    assert gaps and all(200 <= g <= 256 for g in gaps[1:]), gaps
+    plain = flat_verify(1, 1)
+    extra = sum(0.05 * ctrl.history[i] + flat_verify(1, ctrl.history[i] + 1) - plain for i in spec_steps[1:])
+    assert extra / (plain * (len(ctrl.history) - spec_steps[1])) < 0.03
+    # A cheap probe keeps the plain back-off (at most max_probe_every).
+    cheap = DraftLengthController(8, probe_every=16, max_probe_every=64)
+    feed(cheap, 1, 600, 0.02, flat_verify, 0.002)
+    steps = [i for i, k in enumerate(cheap.history) if k > 0 and i >= 3]
+    assert max(b - a for a, b in zip(steps, steps[1:])) == 64
+
+
 def test_one_off_drafting_work_is_not_learnt_as_the_drafting_cost():
     ctrl = DraftLengthController(4, warmup=(2,), probe_every=0)
     ctrl.choose(1)
