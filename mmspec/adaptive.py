@@ -28,7 +28,7 @@ Model (per step, B active rows, K drafts per row):
   still found within a few `max_probe_every` steps. A probe also costs what it costs: when
   it changes nothing, the gap is at least long enough that probing takes at most
   `probe_budget` (2%) of the time of plain steps, from the probe's measured extra seconds
-  over a plain step (at most `4 * max_probe_every` steps, so recovery stays bounded); at a
+  over a step at the kept choice (at most `4 * max_probe_every` steps, so recovery stays bounded); at a
   large batch a probe after a long plain stretch costs a few plain steps. The controller
   lives on the drafter, so the gaps carry over from one call to the next.
 - Steps whose drafting included one-off work (the drafter catching up after plain steps,
@@ -177,9 +177,10 @@ class DraftLengthController:
             if self._probe_base is not None:  # the step after a probe: did it change the choice?
                 changed = k != self._probe_base
                 self.probe_gap = self.probe_every if changed else min(2 * self.probe_gap, self.max_probe_every)
-                plain = self.seconds(batch, 0)
-                if not changed and plain and self._probe_seconds is not None:
-                    extra = max(self._probe_seconds - plain, 0.0)  # what probing cost over a plain step
+                plain, base = self.seconds(batch, 0), self.seconds(batch, k)
+                if not changed and plain and base is not None and self._probe_seconds is not None:
+                    # What the probe cost over a step at the kept choice (for K = 0: a plain step).
+                    extra = max(self._probe_seconds - base, 0.0)
                     need = math.ceil(extra / (self.probe_budget * plain))
                     self.probe_gap = max(self.probe_gap, min(need, 4 * self.max_probe_every))
                 self.next_probe = self.steps - 1 + self.probe_gap  # counted from the probe
