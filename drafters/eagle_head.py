@@ -336,6 +336,7 @@ class EagleHeadDrafter:
         self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
         self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
         self._deferred = False  # this step drafts nothing (K = 0): the head's catch-up waits
+        self._after_plain = False  # the next drafting step catches up on the pairs of plain steps
         self.draft_calls = 0
 
     def set_draft_length(self, k: int) -> None:
@@ -377,6 +378,7 @@ class EagleHeadDrafter:
         self._max_slots = input_ids.shape[1] + max_new_tokens + region + 4
         self.kv = None
         self._deferred = False
+        self._after_plain = False
         self.draft_calls = 0
 
     def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
@@ -392,7 +394,11 @@ class EagleHeadDrafter:
                 self.pending_hidden = torch.zeros(B, 0, H, dtype=self.spec.dtype, device=device)
                 self.pending_count = roots.new_zeros(B)
                 self.pending_host = [0] * B
+            self._after_plain = True
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
+        if self.controller is not None and (self.kv is None or self._after_plain):
+            self.controller.skip_draft_cost_once()  # prompt prefill / catch-up: one-off, not the per-step cost
+        self._after_plain = False
         feats = self._prefill_head(roots) if self.kv is None else self._catch_up(roots)  # [B, H] at the root
         logits = self.logits(feats)
         if self.tree is not None:

@@ -87,8 +87,9 @@ class JacobiDrafter:
         self.prev_tokens = torch.zeros(B, W, dtype=torch.long, device=device)  # previous drafts (coupling)
         self.prev_q: torch.Tensor | None = None  # [B, W, V] the distributions they were drawn from
         self.prev_valid = torch.zeros(B, W, dtype=torch.bool, device=device)
-        self.noise = torch.zeros(B, W, V, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                                 device=device)  # Gumbel noise per window slot (coupling="gumbel")
+        # Gumbel noise per window slot; only the Gumbel coupling keeps one ([B, W, V] a call otherwise)
+        self.noise = (torch.zeros(B, W, V, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                                  device=device) if self.coupling == "gumbel" else None)
         self.noise_valid = torch.zeros(B, W, dtype=torch.bool, device=device)
         self.remaining = [max_new_tokens - 1] * B  # tokens each row still emits after the root
         self.draft_calls = 0

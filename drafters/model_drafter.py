@@ -123,7 +123,7 @@ class ModelDrafter:
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
         self._prefill_args: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a deferred prompt prefill
-        self.plain_steps = 0
+        self._plain_steps = 0
 
     # ---- protocol --------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, target_out: TargetOutput, model_inputs: dict[str, Any], max_new_tokens: int):
@@ -136,7 +136,7 @@ class ModelDrafter:
         self.pending = input_ids.new_zeros(B, 0)
         self.pending_count = input_ids.new_zeros(B)
         self.pending_host = [0] * B
-        self.plain_steps = 0  # K = 0 steps since the drafter last ran
+        self._plain_steps = 0  # K = 0 steps since the drafter last ran
         if self.adaptive:
             # Deferred to the first step that drafts: a request the controller decodes plainly
             # throughout never pays for the drafter's prompt prefill.
@@ -155,7 +155,7 @@ class ModelDrafter:
             # Plain decoding this step: no drafter forward; the root joins the tokens the
             # drafter will catch up on the next time it drafts.
             self._defer(roots)
-            self.plain_steps += 1
+            self._plain_steps += 1
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         logits = self._catch_up(roots)  # [B, V] at the root
         if self.tree is not None:
@@ -227,7 +227,7 @@ class ModelDrafter:
     def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
         """Run pending tokens + root (after the deferred prompt prefill, if any); returns
         drafter logits [B, V] at the root."""
-        if self._prefill_args is not None or self.plain_steps:
+        if self._prefill_args is not None or self._plain_steps:
             if self.controller is not None:  # one-off work, not the per-step cost of drafting
                 self.controller.skip_draft_cost_once()
             if self._prefill_args is not None:
@@ -235,7 +235,7 @@ class ModelDrafter:
                 self.runner.prefill(ids, mask, slots, {})
                 self.draft_calls += 1
                 self._prefill_args = None
-            self.plain_steps = 0
+            self._plain_steps = 0
         B, P = self.pending.shape
         rows = torch.arange(B, device=roots.device)
         tokens = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)

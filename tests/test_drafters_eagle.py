@@ -249,12 +249,15 @@ class ScriptedK:
     changes are exercised deterministically); it records what the loop reported."""
 
     def __init__(self, ks):
-        self.ks, self.i, self.seen = list(ks), 0, []
+        self.ks, self.i, self.seen, self.skipped = list(ks), 0, [], []
 
     def choose(self, rows):
         k = self.ks[self.i % len(self.ks)]
         self.i += 1
         return k
+
+    def skip_draft_cost_once(self):
+        self.skipped.append(self.i - 1)  # the step whose drafting did one-off work
 
     def observe(self, rows, k, n_host, draft_s, verify_s):
         self.seen.append(k)
@@ -280,6 +283,11 @@ def test_auto_draft_length_greedy_equals_generate(llava, kind, script):
                                       pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
     assert_rows_equal(out.sequences, ids.shape[1], refs)
     assert 0 in drafter.controller.seen and max(drafter.controller.seen) >= 3
+    # One-off drafting work is flagged exactly at the drafting steps that follow plain steps
+    # (or run the head's prompt prefill), never at a step that drafted after a drafting step.
+    ks = out.stats.nodes_per_step
+    expected = [i for i, k in enumerate(ks) if k > 0 and (i == 0 or ks[i - 1] == 0)]
+    assert drafter.controller.skipped == expected
     assert out.stats.nodes_per_step[: len(script)] == [script[i] for i in range(min(len(script), len(out.stats.nodes_per_step)))]
 
 
