@@ -76,6 +76,14 @@ class ChainRule:
         [M]; rules whose distortion is a function of alpha override it to skip recomputing it."""
         return self.distortion(x, p, q)
 
+    def accept_and_distortion(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [M], p [M, V], q [M, V] | None -> (alpha [M], distortion [M] | None): both per-candidate
+        quantities of a verification in one call, so that a rule whose two share work (LANTERN's
+        neighbour mass) computes it once per step."""
+        alpha = self.accept_probability(x, p, q)
+        return alpha, self.distortion_given(x, p, q, alpha)
+
     def verify(
         self,
         draft_tokens: torch.Tensor,  # [B, K]
@@ -111,9 +119,10 @@ class ChainRule:
             )
         x = draft_tokens.long()
         p = target_probs[:, :K]
-        alpha = self.accept_probability(
+        alpha, dist = self.accept_and_distortion(
             x.reshape(-1), p.reshape(-1, V), None if draft_probs is None else draft_probs.reshape(-1, V)
-        ).view(B, K)
+        )
+        alpha = alpha.view(B, K)
         u = torch.rand(B, K, generator=generator, dtype=dtype, device=alpha.device)
         accepted = u < alpha  # alpha == 1 always accepts (u < 1), alpha == 0 never does
         num_accepted = accepted.long().cumprod(1).sum(1)  # [B]
@@ -125,10 +134,6 @@ class ChainRule:
         resid = self.residual(x_at, p_at, q_at)
         final = torch.where((num_accepted == K).unsqueeze(-1), target_probs[:, K], resid)
         next_tokens = self.sample(final, generator)
-        dist = self.distortion_given(
-            x.reshape(-1), p.reshape(-1, V), None if draft_probs is None else draft_probs.reshape(-1, V),
-            alpha.reshape(-1),
-        )
         step_distortion = None
         if dist is not None:
             # Every position up to and including the first rejection was decided by the rule.

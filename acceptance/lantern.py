@@ -163,8 +163,17 @@ class LanternAcceptance(ChainRule):
         return px + c_J
 
     def accept_probability(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        return self.accept_and_distortion(x, p, q)[0]
+
+    def accept_and_distortion(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha, c_J) from one neighbour search (the loop needs both every step)."""
         px, c_J, _, _, _ = self._relax(x, p)
-        pt = (px + c_J).clamp(max=1.0)
+        return self._alpha(px + c_J, x, p, q), c_J
+
+    @staticmethod
+    def _alpha(p_relaxed: torch.Tensor, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+        pt = p_relaxed.clamp(max=1.0)
         if q is None:
             return pt
         qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)

@@ -345,7 +345,10 @@ class _Loop:
     def step(self, emitter: _Emitter) -> None:
         k = None
         if self.controller is not None:
-            k = self.controller.choose(len(emitter.rows_host))
+            # The batch is done when its slowest row is: the controller weighs that (rows drift
+            # apart under speculation, plain steps keep them together).
+            remaining = [emitter.max_new - emitter.new_tokens[r] for r in emitter.rows_host]
+            k = self.controller.choose(len(emitter.rows_host), remaining)
             self.drafter.set_draft_length(k)
         h0 = time.perf_counter()
         t0 = self.timer.mark()

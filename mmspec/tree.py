@@ -77,11 +77,14 @@ def verify_tree(
     for i in range(N):
         x = tokens[:, i]
         is_child = parent_pos[:, i] == cur  # [B]
-        alpha = rule.accept_probability(x, p, None)
-        if hasattr(rule, "distortion_given"):
-            d = rule.distortion_given(x, p, None, alpha)
+        if hasattr(rule, "accept_and_distortion"):
+            alpha, d = rule.accept_and_distortion(x, p, None)
         else:
-            d = rule.distortion(x, p, None) if hasattr(rule, "distortion") else None
+            alpha = rule.accept_probability(x, p, None)
+            if hasattr(rule, "distortion_given"):
+                d = rule.distortion_given(x, p, None, alpha)
+            else:
+                d = rule.distortion(x, p, None) if hasattr(rule, "distortion") else None
         if d is not None:
             contrib = torch.where(is_child, d, torch.zeros_like(d))
             distortion = contrib if distortion is None else distortion + contrib

@@ -251,7 +251,7 @@ class ScriptedK:
     def __init__(self, ks):
         self.ks, self.i, self.seen, self.skipped = list(ks), 0, [], []
 
-    def choose(self, rows):
+    def choose(self, rows, remaining=None):
         k = self.ks[self.i % len(self.ks)]
         self.i += 1
         return k
