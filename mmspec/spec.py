@@ -169,7 +169,7 @@ class SpecRunner:
     ) -> SpecOutput:
         if not self.static:
             attention = self.kv.plan(depth, tree_visible, uncommitted)
-            return self.spec.forward(tokens, attention, self.kv, self.features, last_only=last_only)
+            return self._step(tokens, attention, self.kv, self.features, last_only=last_only)
         return self._static_forward(tokens, depth, tree_visible, uncommitted, last_only, queries)
 
     def _static_forward(self, tokens, depth, tree_visible, uncommitted, last_only, queries) -> SpecOutput:
