@@ -19,9 +19,10 @@ def test_greedy_equals_generate_on_cuda(tree):
     drafter = noisy_copy(target, 0.3).cuda()
     ids, mask = left_padded([9, 5, 7, 3])
     ids, mask = ids.cuda(), mask.cuda()
+    # generate stops at the config's eos_token_id (2), which row 1 emits: give the loop the same EOS.
     ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
     out = mmspec.speculative_generate(target, (ModelDrafter(drafter, tree=tree) if tree else ModelDrafter(drafter, 4)), ids, mask, temperature=0,
-                                      max_new_tokens=20, pad_token_id=0)
+                                      max_new_tokens=20, pad_token_id=0, eos_token_id=2)
     assert out.sequences.device.type == "cuda"
     assert torch.equal(out.sequences, ref)
 
