@@ -114,6 +114,8 @@ class StaticKV(RaggedKV):
         B0, S = self.physical_rows, self.capacity
         device = depth.device
         R = T + Q  # region width seen by this forward
+        if self.active_host and max(self.length_host[r] for r in self.active_host) + R > S:  # host copy, no sync
+            raise RuntimeError(f"static KV cache overflow: a row needs more than the {S} slots allocated")
         # Padded queries (and every query of an inert row) see only themselves in the region.
         eye = torch.zeros(Q, R, dtype=torch.bool, device=device)
         eye[torch.arange(Q, device=device), T + torch.arange(Q, device=device)] = True
