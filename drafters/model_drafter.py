@@ -76,7 +76,13 @@ class ModelDrafter:
     (mmspec/adaptive.py); K = 0 is plain decoding (the drafter does no work that step and
     catches up later). The controller lives on the drafter, so a drafter built once keeps
     what it learned across calls. `prepack` ("auto", True, False): run its linear layers on
-    oneDNN-prepacked weights when that is measured faster (mmspec/models/kernel_choice.py)."""
+    oneDNN-prepacked weights when that is measured faster (mmspec/models/kernel_choice.py).
+
+    `static=True` / `compile=...` (the opt-in GPU path, docs/architecture.md): every drafter
+    forward of a request has fixed shapes per kind (the catch-up forward padded to its longest
+    case, one-token chain draft steps, `top_k`-token tree levels) over a `StaticKV`, and
+    `compile` wraps them in `torch.compile(..., dynamic=False)`. Needs a fixed draft length or a
+    tree: with "auto", plain steps pile up pending tokens, so the catch-up has no bound."""
 
     def __init__(
         self,
@@ -86,7 +92,11 @@ class ModelDrafter:
         *,
         max_draft_tokens: int | None = None,
         prepack="auto",
+        static: bool | None = None,
+        compile=None,
     ):
+        from mmspec.compiled import static_and_compile
+
         if tree is not None and not isinstance(tree, TreeConfig):
             raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
         if tree is not None and num_draft_tokens is not None:
@@ -106,9 +116,19 @@ class ModelDrafter:
             raise TypeError(f"num_draft_tokens must be an int, got {num_draft_tokens!r} ({type(num_draft_tokens).__name__})")
         if num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
+        self.static, compile_opts = static_and_compile(static, compile)
+        if self.static and self.adaptive:
+            raise ValueError(
+                "static=True / compile= needs a fixed draft length or a tree: with num_draft_tokens='auto' the tokens "
+                "of plain steps pile up for one catch-up forward of unbounded length; pass num_draft_tokens=K"
+            )
         self.model = model
         self.num_draft_tokens = num_draft_tokens
         self.tree = tree
+        if compile_opts is not None and not isinstance(model, ForwardSpec):
+            from mmspec.models.hf_target import prepack_for_compile
+
+            prepack = prepack_for_compile(prepack, compile)
         spec = drafter_spec(model, prepack)
         self.kernels = getattr(spec, "kernels", "")
         self.vocab_size = spec.vocab_size
@@ -117,7 +137,12 @@ class ModelDrafter:
                 f"TreeConfig.top_k={tree.top_k} exceeds the drafter's vocabulary of {self.vocab_size} tokens; "
                 f"use top_k <= {self.vocab_size}"
             )
-        self.runner = SpecRunner(spec)
+        self.runner = SpecRunner(spec, static=self.static, compile=compile_opts)
+        # Static query counts per forward kind: the catch-up runs the pending tokens (at most one
+        # for a chain, the accepted path of at most `depth` nodes for a tree) and the root.
+        self._catch_up_queries = None
+        if self.static:
+            self._catch_up_queries = tree.depth + 1 if tree is not None else 2
         self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
         self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
@@ -169,7 +194,7 @@ class ModelDrafter:
             if i < K - 1:
                 vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
                 depth = torch.full((B, 1), i, dtype=torch.long, device=device)
-                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True).logits[:, -1]
+                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True, queries=1).logits[:, -1]
                 self.draft_calls += 1
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
         return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)
@@ -241,7 +266,7 @@ class ModelDrafter:
         tokens = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)
         tokens[rows, self.pending_count] = roots
         vis, depth = chain_visibility(B, P + 1, roots.device)
-        out = self.runner.forward(tokens, depth, vis, 0)
+        out = self.runner.forward(tokens, depth, vis, 0, queries=self._catch_up_queries)
         self.draft_calls += 1
         self.runner.advance(self.pending_count + 1, [c + 1 for c in self.pending_host])
         return out.logits[rows, self.pending_count]

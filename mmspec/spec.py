@@ -45,6 +45,8 @@ class ForwardSpec:
     num_layers: int
     vocab_size: int
     dtype: torch.dtype
+    # False for specs whose step forward is not verified under torch.compile (`compile=` refused).
+    compilable: bool = True
 
     # ---- per request -----------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
@@ -100,12 +102,28 @@ class ForwardSpec:
 
 
 class SpecRunner:
-    """Drives one forward spec over a `RaggedKV` store (used by targets and model drafters)."""
+    """Drives one forward spec over a `RaggedKV` store (used by targets and model drafters).
 
-    def __init__(self, spec: ForwardSpec):
+    `static=True` runs the step forwards over a `StaticKV` (mmspec/static_kv.py: buffers at the
+    request's bound, whole-capacity attention, queries padded to a fixed count per forward
+    kind, finished rows kept as inert padding), so that their shapes never change within a
+    request; `compile` (torch.compile keywords, mmspec/compiled.py) then wraps the spec's
+    step forward in `torch.compile(..., dynamic=False)`. Prefill stays eager."""
+
+    def __init__(self, spec: ForwardSpec, *, static: bool = False, compile: dict[str, Any] | None = None):
         self.spec = spec
         self.kv: RaggedKV | None = None
         self.features = FeatureRequest()
+        self.static = static or compile is not None
+        self.compile = compile
+        self._step = spec.forward
+        if compile is not None:
+            if not getattr(spec, "compilable", True):
+                raise ValueError(f"compile={compile!r} is not supported for {type(spec).__name__} (not verified under "
+                                 "torch.compile); use static=True without compile, or no compile")
+            from mmspec.compiled import compiled
+
+            self._step = compiled(spec.forward, compile)
 
     def prefill(
         self,
@@ -116,11 +134,27 @@ class SpecRunner:
         features: FeatureRequest | None = None,
     ) -> SpecOutput:
         self.features = features if features is not None else FeatureRequest()
+        if self.compile is not None and not self.features.empty:
+            raise ValueError(
+                f"compile={self.compile!r} cannot read drafter features {self.features} (they are captured with "
+                "forward hooks, which a compiled forward does not run per call); use static=True without compile"
+            )
         self.spec.begin(input_ids, attention_mask, model_inputs)
-        self.kv = RaggedKV(self.spec.num_layers, attention_mask, max_slots)
+        if self.static:
+            from mmspec.static_kv import StaticKV
+
+            previous = self.kv if isinstance(self.kv, StaticKV) else None
+            self.kv = StaticKV(self.spec.num_layers, attention_mask, max_slots, reuse=previous)
+        else:
+            self.kv = RaggedKV(self.spec.num_layers, attention_mask, max_slots)
         attention = self.kv.plan_prefill(attention_mask)
         out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
         self.kv.scrub_padding()
+        if self.compile is not None:
+            from mmspec.compiled import uses_cuda_graphs
+
+            if uses_cuda_graphs(self.compile):
+                self.kv.mark_static()
         return out
 
     def forward(
@@ -131,13 +165,39 @@ class SpecRunner:
         uncommitted: int,  # T (host int)
         *,
         last_only: bool = False,
+        queries: int | None = None,  # static mode: the fixed query count of this forward kind
     ) -> SpecOutput:
-        attention = self.kv.plan(depth, tree_visible, uncommitted)
-        return self.spec.forward(tokens, attention, self.kv, self.features, last_only=last_only)
+        if not self.static:
+            attention = self.kv.plan(depth, tree_visible, uncommitted)
+            return self._step(tokens, attention, self.kv, self.features, last_only=last_only)
+        return self._static_forward(tokens, depth, tree_visible, uncommitted, last_only, queries)
+
+    def _static_forward(self, tokens, depth, tree_visible, uncommitted, last_only, queries) -> SpecOutput:
+        """Pad to the static shapes [B0, Q], run the (compiled) step, keep the active rows'
+        real queries."""
+        kv = self.kv
+        q = tokens.shape[1]
+        Q = q if queries is None else queries
+        attention = kv.plan(depth, tree_visible, uncommitted, Q)
+        keep_last = last_only and q == Q  # else the last real query is not the last query
+        out = self._step(kv.pad_tokens(tokens, Q), attention, kv, self.features, last_only=keep_last)
+        logits = kv.unpad(out.logits, None if keep_last else q)
+        if last_only and not keep_last:
+            logits = logits[:, -1:]
+        positions = out.positions
+        if positions is not None:  # [B0, Q] or M-RoPE [3, B0, Q]
+            positions = positions[:, kv.active, :q] if positions.dim() == 3 else kv.unpad(positions, q)
+        return SpecOutput(
+            logits=logits,
+            hidden=kv.unpad(out.hidden, q),
+            layers={i: kv.unpad(h, q) for i, h in out.layers.items()},
+            positions=positions,
+        )
 
     def advance(self, counts: torch.Tensor, counts_host: list[int], path: torch.Tensor | None = None) -> None:
         self.kv.advance(counts, counts_host, path)
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
         self.kv.select_rows(rows, rows_host)
-        self.spec.select_rows(rows)
+        if not self.static:  # a static store keeps every physical row (and the spec's row state)
+            self.spec.select_rows(rows)

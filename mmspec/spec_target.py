@@ -43,14 +43,26 @@ def as_target_output(out: SpecOutput) -> TargetOutput:
 
 
 class SpecTarget:
-    """A `Target` over a `ForwardSpec` and the ragged cache."""
+    """A `Target` over a `ForwardSpec` and the ragged cache.
+
+    `static=True`: every verify forward of a request has the same shapes (mmspec/static_kv.py:
+    KV buffers at the request's bound, attention over the whole capacity, `max_draft_nodes + 1`
+    queries per row, finished rows kept as inert padding rows). `compile` (None, True, a mode
+    such as "reduce-overhead", or a dict of torch.compile keywords such as
+    `{"backend": "aot_eager"}`; mmspec/compiled.py) wraps the verify forward in
+    `torch.compile(..., dynamic=False)` and turns static on. Both are opt-in GPU paths: on CPU
+    they make every step pay for the whole capacity."""
 
     supports_features = True
 
-    def __init__(self, spec: ForwardSpec):
+    def __init__(self, spec: ForwardSpec, *, static: bool | None = None, compile: Any = None):
+        from mmspec.compiled import static_and_compile
+
         self.spec = spec
         self.vocab_size = spec.vocab_size
-        self.runner = SpecRunner(spec)
+        self.static, options = static_and_compile(static, compile)
+        self.runner = SpecRunner(spec, static=self.static, compile=options)
+        self.queries: int | None = None  # static: the fixed verify query count of the request
 
     def prefill(
         self,
@@ -61,13 +73,18 @@ class SpecTarget:
         max_draft_nodes: int,
         features: FeatureRequest = FeatureRequest(),
     ) -> TargetOutput:
+        if self.static:
+            if isinstance(max_draft_nodes, bool) or not isinstance(max_draft_nodes, int) or max_draft_nodes < 0:
+                raise ValueError(f"static=True sizes every verify at max_draft_nodes + 1 queries; the drafter must "
+                                 f"declare max_draft_nodes as an int >= 0, got {max_draft_nodes!r}")
+            self.queries = max_draft_nodes + 1
         slots = input_ids.shape[1] + max_new_tokens + max_draft_nodes + 2
         return as_target_output(self.runner.prefill(input_ids, attention_mask, slots, model_inputs, features))
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> TargetOutput:
         B, Q = tokens.shape
         vis, depth = tree_visibility(parents, B, Q, tokens.device)
-        return as_target_output(self.runner.forward(tokens, depth, vis, 0))
+        return as_target_output(self.runner.forward(tokens, depth, vis, 0, queries=self.queries))
 
     def commit(self, info: CommitInfo) -> None:
         counts = info.num_accepted + 1  # root + accepted nodes

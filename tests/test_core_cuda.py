@@ -19,8 +19,30 @@ def test_greedy_equals_generate_on_cuda(tree):
     drafter = noisy_copy(target, 0.3).cuda()
     ids, mask = left_padded([9, 5, 7, 3])
     ids, mask = ids.cuda(), mask.cuda()
+    # generate stops at the config's eos_token_id (2), which row 1 emits: give the loop the same EOS.
     ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
     out = mmspec.speculative_generate(target, (ModelDrafter(drafter, tree=tree) if tree else ModelDrafter(drafter, 4)), ids, mask, temperature=0,
-                                      max_new_tokens=20, pad_token_id=0)
+                                      max_new_tokens=20, pad_token_id=0, eos_token_id=2)
     assert out.sequences.device.type == "cuda"
     assert torch.equal(out.sequences, ref)
+
+
+@pytest.mark.parametrize("compile", [None, "reduce-overhead"], ids=["static", "cuda-graphs"])
+@pytest.mark.parametrize("tree", [None, mmspec.TreeConfig(depth=3, top_k=3, num_nodes=8)], ids=["chain", "tree"])
+def test_static_and_compiled_greedy_equals_generate_on_cuda(tree, compile):
+    """The opt-in GPU path (static shapes; torch.compile with CUDA graphs) on a real GPU."""
+    from mmspec.models.hf_target import HFTarget
+
+    target = tiny_llama(layers=2, seed=0).cuda()
+    drafter = noisy_copy(target, 0.3).cuda()
+    ids, mask = left_padded([9, 5, 7, 3])
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    options = dict(static=True) if compile is None else dict(compile=compile)
+    tgt = HFTarget(target, **options)
+    for _ in range(2):  # the second request replays what the first one traced
+        dr = ModelDrafter(drafter, tree=tree, **options) if tree else ModelDrafter(drafter, 4, **options)
+        out = mmspec.speculative_generate(tgt, dr, ids, mask, temperature=0, max_new_tokens=20, pad_token_id=0,
+                                          eos_token_id=2)
+        assert out.sequences.device.type == "cuda"
+        assert torch.equal(out.sequences, ref)

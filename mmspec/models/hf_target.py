@@ -59,6 +59,16 @@ def check_supported(model) -> None:
                          "*ForConditionalGeneration class")
 
 
+def prepack_for_compile(prepack, compile):
+    """The prepack choice under `compile`: "auto" -> False, True refused."""
+    if compile is None or compile is False:
+        return prepack
+    if prepack is True:
+        raise ValueError(f"prepack=True cannot be combined with compile={compile!r} (prepacked oneDNN weights are an "
+                         "eager CPU kernel); pass prepack=False or 'auto'")
+    return False
+
+
 def spec_class(model) -> type[HFSpec]:
     """The forward spec a transformers model runs through, by model type."""
     return Qwen2VLSpec if model_type_of(model) in MROPE_MODEL_TYPES else HFSpec
@@ -69,16 +79,21 @@ class HFTarget(SpecTarget):
 
     `prepack` ("auto", True, False): run the model's linear layers on oneDNN-prepacked
     weights (float32 CPU models; see mmspec/models/prepack.py). The model is not modified.
-    Build it once and reuse it across calls: the wrap (and the packed view) is paid once."""
+    Build it once and reuse it across calls: the wrap (and the packed view) is paid once.
 
-    def __init__(self, model, *, prepack="auto"):
+    `static` / `compile`: the opt-in GPU path (`SpecTarget`; docs/architecture.md, "GPU path").
+    With `compile`, `prepack="auto"` means no prepacking (oneDNN packed weights are an eager
+    CPU kernel choice) and `prepack=True` is refused."""
+
+    def __init__(self, model, *, prepack="auto", static: bool | None = None, compile=None):
         check_supported(model)
+        prepack = prepack_for_compile(prepack, compile)
         self.model = model
         run = maybe_packed(model, prepack)
         spec = spec_class(model)(run, source=model)
         spec.kernels = kernels_of(run, model)
         self.kernels = spec.kernels
-        super().__init__(spec)
+        super().__init__(spec, static=static, compile=compile)
 
     def acceptance_tables(self) -> dict:
         """Tables rules named by string can use: GSD clusters by input-embedding distance."""

@@ -42,6 +42,8 @@ def model_type(model) -> str:
 class Qwen2VLSpec(HFSpec):
     """`HFSpec` with Qwen2-VL's M-RoPE positions and per-row `rope_deltas`."""
 
+    compilable = False  # M-RoPE positions under torch.compile are not verified (static=True alone is fine)
+
     def __init__(self, model, source=None):
         source = source if source is not None else model
         if model_type(source) not in MROPE_MODEL_TYPES:
