@@ -29,3 +29,6 @@ def test_bench_core_smoke(tmp_path):
     for r in rows:
         assert r["identical_to_plain"] and {"plain", "auto", "K=1", "K=2"} <= set(r["tokens_per_s"])
         assert sum(r["auto_k_histogram"].values()) > 0
+        # One paired ratio per timed round (the smoke run times one), consistent with the medians.
+        assert len(r["auto_vs_plain_rounds"]) == 1 and len(r["auto_vs_best_fixed_rounds"]) == 1
+        assert abs(r["auto_vs_plain_rounds"][0] - r["auto_vs_plain"]) < 2e-3

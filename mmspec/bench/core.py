@@ -46,17 +46,19 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
-def _interleaved(methods: dict, repeats: int):
+def _interleaved(methods: dict, repeats: int, samples: dict | None = None):
     """Time each method `repeats` times in rounds (A, B, C, A, B, C, ...) after a warm-up
-    round, so slow drifts of the machine hit every method alike; returns medians."""
+    round, so slow drifts of the machine hit every method alike; returns medians. Pass a dict
+    as `samples` to get every round's seconds per method too (for paired per-round ratios)."""
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
-    samples = {name: [] for name in methods}
+    rounds = {name: [] for name in methods} if samples is None else samples
+    rounds.update({name: [] for name in methods})
     for _ in range(repeats):
         for name, fn in methods.items():
             t0 = time.perf_counter()
             outs[name] = fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in samples.items()}, outs
+            rounds[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in rounds.items()}, outs
 
 
 def _prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int):

@@ -75,7 +75,8 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             if B == 1:  # transformers' assisted generation, as shipped (its default schedule)
                 methods["assisted"] = lambda: target.generate(**gen, assistant_model=drafter)
             progress(f"  batch {B}: {len(methods)} methods, interleaved, {config.repeats} rounds")
-            times, outs = _interleaved(methods, config.repeats)  # the warm-up round also trains auto
+            rounds: dict[str, list[float]] = {}
+            times, outs = _interleaved(methods, config.repeats, rounds)  # the warm-up round also trains auto
             ref = outs["plain"]
             tps = {name: B * N / t for name, t in times.items()}
             fixed = {name: tps[name] for name in drafters if name != "auto"}
@@ -88,6 +89,10 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 "auto_k_histogram": _histogram(auto_stats.nodes_per_step),
                 "auto_mean_accepted_length": round(auto_stats.mean_accepted_length, 3),
                 "identical_to_plain": all(torch.equal(outs[n].sequences, ref) for n in drafters),
+                # Paired per-round ratios (the methods of a round ran back to back, so a drift of
+                # the machine cancels): their spread says how far one row can be trusted.
+                "auto_vs_plain_rounds": _paired(rounds, "auto", "plain"),
+                "auto_vs_best_fixed_rounds": _paired(rounds, "auto", best),
             }
             if "assisted" in tps:
                 row["auto_vs_assisted"] = round(tps["auto"] / tps["assisted"], 3)
@@ -96,6 +101,11 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             progress("    " + format_row(row))
     info = {"device": "cpu", "threads": torch.get_num_threads(), "pairs": pairs_info}
     return {"info": info, "config": asdict(config), "rows": rows}
+
+
+def _paired(rounds: dict[str, list[float]], a: str, b: str) -> list[float]:
+    """Per-round speed of `a` relative to `b` (b's seconds / a's seconds), sorted."""
+    return sorted(round(tb / ta, 3) for ta, tb in zip(rounds[a], rounds[b]))
 
 
 def _histogram(ks: list[int]) -> dict[str, int]:
@@ -109,9 +119,14 @@ def format_row(row: dict) -> str:
     t = row["tokens_per_s"]
     fixed = " ".join(f"{k}:{v:.0f}" for k, v in t.items() if k.startswith("K="))
     extra = f"  auto/assisted {row['auto_vs_assisted']:.2f}x" if "auto_vs_assisted" in row else ""
+    spread = ""
+    if "auto_vs_plain_rounds" in row:  # per-round paired ratios: min-max over the rounds
+        p, f = row["auto_vs_plain_rounds"], row["auto_vs_best_fixed_rounds"]
+        spread = f" [rounds {f[0]:.2f}-{f[-1]:.2f}]", f" [rounds {p[0]:.2f}-{p[-1]:.2f}]"
+    fixed_spread, plain_spread = spread or ("", "")
     return (f"{row['pair']:>6} B={row['batch']:<2} plain {t['plain']:.0f}  {fixed}  auto {t['auto']:.0f} tok/s | "
-            f"auto/best fixed ({row['best_fixed']}) {row['auto_vs_best_fixed']:.2f}x  auto/plain "
-            f"{row['auto_vs_plain']:.2f}x{extra}  same={'yes' if row['identical_to_plain'] else 'NO'}")
+            f"auto/best fixed ({row['best_fixed']}) {row['auto_vs_best_fixed']:.2f}x{fixed_spread}  auto/plain "
+            f"{row['auto_vs_plain']:.2f}x{plain_spread}{extra}  same={'yes' if row['identical_to_plain'] else 'NO'}")
 
 
 def format_table(report: dict) -> str:
