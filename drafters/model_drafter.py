@@ -266,10 +266,15 @@ class ModelDrafter:
         tokens = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)
         tokens[rows, self.pending_count] = roots
         vis, depth = chain_visibility(B, P + 1, roots.device)
-        out = self.runner.forward(tokens, depth, vis, 0, queries=self._catch_up_queries)
+        # Only each row's root needs logits. When every row has the same number of pending
+        # tokens (always at batch 1; after a plain stretch: every row gained one per step) the
+        # root is the last query of every row, and the LM head runs on it alone (after a long
+        # plain stretch the head over every pending token costs about a target forward).
+        aligned = all(c == P for c in self.pending_host)
+        out = self.runner.forward(tokens, depth, vis, 0, last_only=aligned, queries=self._catch_up_queries)
         self.draft_calls += 1
         self.runner.advance(self.pending_count + 1, [c + 1 for c in self.pending_host])
-        return out.logits[rows, self.pending_count]
+        return out.logits[:, -1] if aligned else out.logits[rows, self.pending_count]
 
     def _propose_tree(self, root_logits: torch.Tensor) -> Draft:
         cfg = self.tree

@@ -134,3 +134,55 @@ def test_loop_passes_each_rows_remaining_tokens_and_output_stays_greedy():
     pairs = [(a, b) for (na, a), (nb, b) in zip(spy.calls, spy.calls[1:]) if na == nb]
     assert pairs and all(all(y < x for x, y in zip(a, b)) for a, b in pairs)
     assert len(spy.calls) < N - 1  # drafts were accepted: fewer steps than tokens
+
+
+class ScriptedRecorder(SpyController):
+    """Plays a fixed K schedule and records the remaining counts the loop passes."""
+
+    def __init__(self, ks):
+        super().__init__()
+        self.ks = list(ks)
+
+    def choose(self, batch, remaining=None):
+        super().choose(batch, remaining)
+        return self.ks[(len(self.calls) - 1) % len(self.ks)]
+
+
+@pytest.mark.parametrize("script", [[0, 0, 0, 3], [3, 0, 0, 2, 3, 1, 0, 3]], ids=["plain-then-draft", "mixed"])
+def test_drafts_after_plain_steps_are_the_drafters_own_greedy_continuation(script):
+    """After K = 0 steps the drafter catches up on the deferred tokens (its LM head only at
+    each row's root when the rows' pending counts agree); its greedy drafts must then be
+    exactly its own greedy continuation of the row's context. Greedy *output* cannot show a
+    wrong draft (verification repairs it), so the drafts themselves are checked."""
+    target = tiny_llama(layers=2, seed=0)
+    small = noisy_copy(target, 0.3)
+    small.generation_config.eos_token_id = None
+    drafter = ModelDrafter(small, "auto", max_draft_tokens=3)
+    ctrl = ScriptedRecorder(script)
+    drafter.controller = ctrl
+    drafts = []
+    propose = drafter.propose
+
+    def recording(roots, sampling, generator):
+        d = propose(roots, sampling, generator)
+        drafts.append(d.tokens.clone())
+        return d
+
+    drafter.propose = recording
+    ids, mask = left_padded([9, 5, 7, 3])
+    N = 16
+    out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
+    new = out.sequences[:, ids.shape[1]:]
+    checked = 0
+    for (batch, remaining), tokens in zip(ctrl.calls, drafts):
+        if batch != 4 or tokens.shape[1] == 0:
+            continue
+        for b in range(4):
+            m = N - remaining[b]  # tokens emitted so far, this step's root included
+            context = torch.cat([ids[b, mask[b].bool()], new[b, :m]]).unsqueeze(0)
+            K = tokens.shape[1]
+            ref = small.generate(input_ids=context, attention_mask=torch.ones_like(context), do_sample=False,
+                                 max_new_tokens=K, pad_token_id=0)[0, context.shape[1]:]
+            assert torch.equal(tokens[b], ref), (b, m, tokens[b], ref)
+            checked += 1
+    assert checked >= 8
