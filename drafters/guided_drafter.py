@@ -66,11 +66,13 @@ class _GuidedRunner:
         index = torch.zeros(B, 1, dtype=torch.long, device=input_ids.device)
         return SpecOutput(logits=self._guide(out.logits, index))
 
-    def forward(self, tokens, depth, tree_visible, uncommitted: int, *, last_only: bool = False) -> SpecOutput:
+    def forward(self, tokens, depth, tree_visible, uncommitted: int, *, last_only: bool = False,
+                queries: int | None = None) -> SpecOutput:
         B = tokens.shape[0]
         q_pos = self.inner.kv.next_pos[:B].unsqueeze(1) + depth  # logical positions of the conditional queries
         out = self.inner.forward(torch.cat([tokens, tokens]), torch.cat([depth, depth]),
-                                 torch.cat([tree_visible, tree_visible]), uncommitted, last_only=last_only)
+                                 torch.cat([tree_visible, tree_visible]), uncommitted, last_only=last_only,
+                                 queries=queries)
         index = q_pos - self.prompt_len.unsqueeze(1) + 1
         if last_only:
             index = index[:, -1:]
