@@ -32,3 +32,18 @@ def test_bench_core_smoke(tmp_path):
         # One paired ratio per timed round (the smoke run times one), consistent with the medians.
         assert len(r["auto_vs_plain_rounds"]) == 1 and len(r["auto_vs_best_fixed_rounds"]) == 1
         assert abs(r["auto_vs_plain_rounds"][0] - r["auto_vs_plain"]) < 2e-3
+        assert len(r["seconds_per_round"]["auto"]) == 1 and "auto_vs_best_fixed_split" not in r  # needs 2 rounds
+
+
+def test_split_best_fixed_k_is_picked_and_timed_on_different_rounds():
+    """The unbiased "best fixed K": chosen on even rounds, compared with auto on odd rounds only."""
+    from mmspec.bench.draft_length import _split_best
+
+    rounds = {  # seconds per round: K=1 looks best on the even rounds (0, 2), K=2 on the odd ones
+        "K=1": [1.0, 3.0, 1.0, 3.0],
+        "K=2": [2.0, 1.5, 2.0, 1.5],
+        "auto": [2.0, 2.0, 2.0, 2.0],
+    }
+    got = _split_best(rounds, ["K=1", "K=2"])
+    assert got["picked"] == "K=1"
+    assert got["auto_vs_picked"] == 1.5  # K=1's odd rounds (3 s) against auto's (2 s)
