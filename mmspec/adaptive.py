@@ -190,7 +190,8 @@ class DraftLengthController:
         The batch ends with its slowest row: a row that needs r more tokens takes about
         r / E[G] steps (renewal theory, sd sqrt(r Var[G] / E[G]^3)), and the last of B rows
         lags the mean by about sqrt(2 ln B) of those sd (Gaussian maxima). At K = 0 every row
-        takes exactly r steps; no K takes more than r steps or fewer than r / (K + 1)."""
+        takes exactly r steps, and no K takes more (at least one token per step). At batch 1 the
+        ranking of K is exactly that of tokens per second."""
         s = self.seconds(batch, k)
         if s is None or s <= 0:
             return None
@@ -198,7 +199,7 @@ class DraftLengthController:
         mean, var = self.token_moments(k)
         spread = math.sqrt(2.0 * math.log(batch)) if batch > 1 else 0.0
         steps = r / mean + spread * math.sqrt(r * var / mean ** 3)
-        return s * min(max(steps, math.ceil(r / (k + 1))), r)
+        return s * min(steps, r)
 
     # ---- the decision ---------------------------------------------------------------------------
     def choose(self, batch: int, remaining: list[int] | None = None) -> int:

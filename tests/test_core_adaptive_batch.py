@@ -7,7 +7,6 @@ the loop (what it passes, greedy output unchanged)."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -91,13 +90,18 @@ def test_batch_objective_keeps_a_weak_pair_plain_at_a_large_batch():
         ctrl.choose(16, [48] * 3)
 
 
-def test_projection_never_exceeds_plain_step_count_or_undercuts_full_acceptance():
+def test_projection_never_exceeds_plain_step_count_and_ranks_like_the_rate_at_batch_1():
     ctrl = fixed_rate_controller(8, 0.05)
     ctrl.observe(4, 3, [0] * 4, 0.0, 1.0)
     assert ctrl.finish_seconds(4, 3, [2, 2, 1, 2]) <= 2.0  # at most r steps
-    good = fixed_rate_controller(8, 0.999)
-    good.observe(1, 3, [3], 0.0, 1.0)
-    assert good.finish_seconds(1, 3, [9]) >= math.ceil(9 / 4)  # at least r / (K + 1) steps
+    good = fixed_rate_controller(8, 0.9)
+    for k, seconds in enumerate([1.0, 1.3, 1.5, 1.6, 1.75, 1.9]):
+        good.observe(1, k, [0], 0.0, seconds)
+    for r in (2, 5, 9, 40):  # one row: time = r / rate, whatever r
+        times = [good.finish_seconds(1, k, [r]) for k in range(6)]
+        rates = [good.rate(1, k) for k in range(6)]
+        assert all(abs(t * q - r) < 1e-9 for t, q in zip(times, rates))
+        assert min(range(6), key=times.__getitem__) == max(range(6), key=rates.__getitem__)
 
 
 class SpyController:
