@@ -174,10 +174,10 @@ class DraftLengthController:
         s = self.seconds(batch, k)
         return None if s is None or s <= 0 else batch * self.expected_tokens(k) / s
 
-    def token_moments(self, k: int) -> tuple[float, float]:
+    def token_moments(self, k: int, rates: list[float] | None = None) -> tuple[float, float]:
         """Mean and variance of the tokens one row emits in a step at K (bonus included):
-        G = 1 + #accepted, P(G > i) = a_1 ... a_i."""
-        rates = self.acceptance()
+        G = 1 + #accepted, P(G > i) = a_1 ... a_i (`rates`: `acceptance()`, if already at hand)."""
+        rates = self.acceptance() if rates is None else rates
         mean, square, run = 1.0, 1.0, 1.0
         for i in range(k):
             run *= rates[i]
@@ -192,11 +192,13 @@ class DraftLengthController:
         lags the mean by about sqrt(2 ln B) of those sd (Gaussian maxima). At K = 0 every row
         takes exactly r steps, and no K takes more (at least one token per step). At batch 1 the
         ranking of K is exactly that of tokens per second."""
+        return self._finish_seconds(batch, k, max(remaining), self.acceptance())
+
+    def _finish_seconds(self, batch: int, k: int, r: int, rates: list[float]) -> float | None:
         s = self.seconds(batch, k)
         if s is None or s <= 0:
             return None
-        r = max(remaining)
-        mean, var = self.token_moments(k)
+        mean, var = self.token_moments(k, rates)
         spread = math.sqrt(2.0 * math.log(batch)) if batch > 1 else 0.0
         steps = r / mean + spread * math.sqrt(r * var / mean ** 3)
         return s * min(steps, r)
@@ -241,7 +243,8 @@ class DraftLengthController:
     def _best(self, batch: int, remaining: list[int] | None = None) -> int:
         if remaining:
             # Rate = inverse projected time (only the ranking matters).
-            times = {k: self.finish_seconds(batch, k, remaining) for k in range(self.k_max + 1)}
+            r, acc = max(remaining), self.acceptance()  # once per step, not once per K
+            times = {k: self._finish_seconds(batch, k, r, acc) for k in range(self.k_max + 1)}
             rates = {k: None if t is None else 1.0 / t for k, t in times.items()}
         else:
             rates = {k: self.rate(batch, k) for k in range(self.k_max + 1)}
