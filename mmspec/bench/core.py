@@ -51,7 +51,7 @@ def _interleaved(methods: dict, repeats: int, samples: dict | None = None):
     round, so slow drifts of the machine hit every method alike; returns medians. Pass a dict
     as `samples` to get every round's seconds per method too (for paired per-round ratios)."""
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
-    rounds = {name: [] for name in methods} if samples is None else samples
+    rounds = {} if samples is None else samples
     rounds.update({name: [] for name in methods})
     for _ in range(repeats):
         for name, fn in methods.items():
