@@ -18,7 +18,8 @@ Model (per step, B active rows, K drafts per row):
 - `a_j` are running estimates with forgetting (recent steps weigh more), so speculation
   switches itself off when acceptance drops and back on when it recovers. Positions never
   tried borrow the pooled rate of the tried ones (a geometric tail).
-- `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed,
+- `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
+  (an observation above 1.5x its key's mean counts as 1.5x: interference only slows steps down),
   otherwise a least-squares line in the number of tokens processed (B * Q for verify, B * K
   for drafting) fitted to every observation so far, so a batch size seen for the first time
   still gets an estimate. K = 0 is plain decoding (the drafter does no work that step).
@@ -66,6 +67,12 @@ class _LinearCost:
     per step, no history kept); plus running means for each observed key, which are
     preferred when present."""
 
+    # An observation counts at most this many times the running mean of its key: the rest of
+    # the machine only ever slows a step down (another process, a page fault, a timer), and one
+    # such outlier would otherwise move the estimate by (1 - decay) x its size. A lasting rise
+    # still comes through, by up to 50% x (1 - decay) per step.
+    clip = 1.5
+
     def __init__(self, decay: float):
         self.decay = decay
         self.means: dict = {}
@@ -74,6 +81,8 @@ class _LinearCost:
 
     def observe(self, key, tokens: float, seconds: float) -> None:
         old = self.means.get(key)
+        if old is not None:
+            seconds = min(seconds, self.clip * old)
         self.means[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
         g = 0.99  # the line forgets slowly: it only fills in shapes not seen yet
         w, sx, sy, sxx, sxy = (v * g for v in self.sums)

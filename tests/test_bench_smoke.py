@@ -47,3 +47,30 @@ def test_split_best_fixed_k_is_picked_and_timed_on_different_rounds():
     got = _split_best(rounds, ["K=1", "K=2"])
     assert got["picked"] == "K=1"
     assert got["auto_vs_picked"] == 1.5  # K=1's odd rounds (3 s) against auto's (2 s)
+
+
+def test_interleaved_rounds_alternate_their_order():
+    """Rounds run A B C, then C B A, ...: no method always follows the same neighbour."""
+    from mmspec.bench.core import _interleaved
+
+    calls = []
+    methods = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    samples: dict = {}
+    _interleaved(methods, 3, samples)
+    assert calls == list("abc") + list("abc") + list("cba") + list("abc")  # warm-up, then 3 rounds
+    assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_bench_core_fastest_round_figures(tmp_path):
+    """With 2 rounds each row also gives the ratios of each method's fastest round, and they
+    agree with the per-round seconds it reports."""
+    path = tmp_path / "core.json"
+    assert main(["bench", "core", "--smoke", "--threads", "1", "--repeats", "2", "--batch-sizes", "1",
+                 "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    fr, secs = row["fastest_round"], row["seconds_per_round"]
+    assert len(secs["auto"]) == 2
+    want = min(secs["plain"]) / min(secs["auto"])
+    assert abs(fr["auto_vs_plain"] - want) < 5e-3 * want + 1e-3
+    best = min((n for n in secs if n.startswith("K=")), key=lambda n: min(secs[n]))
+    assert fr["best_fixed"] == best

@@ -243,3 +243,19 @@ def test_unpadded_equal_length_plain_steps_run_mask_free_and_exact(target, good_
     ref2 = target.generate(input_ids=ids2, attention_mask=mask2, do_sample=False, max_new_tokens=10, pad_token_id=0,
                            eos_token_id=None)
     assert torch.equal(out.sequences, ref2) and not any(full)
+
+
+def test_a_slow_outlier_step_barely_moves_the_cost_estimate_but_a_lasting_rise_comes_through():
+    """Interference only slows steps down: one step timed 10x too slow moves its key's mean by at
+    most (1 - decay) x 50%, not by (1 - decay) x 900%; a lasting doubling is still learnt."""
+    ctrl = DraftLengthController(4)
+    for _ in range(30):
+        ctrl.observe(1, 2, [1], 0.002, 0.010)
+    before = ctrl.seconds(1, 2)
+    ctrl.observe(1, 2, [1], 0.002, 0.100)  # one 10x verify outlier
+    after = ctrl.seconds(1, 2)
+    assert after <= before + 0.1 * 0.5 * 0.010 + 1e-12
+    assert after > before  # it still counts for something
+    for _ in range(30):
+        ctrl.observe(1, 2, [1], 0.002, 0.020)  # the verify really got 2x slower
+    assert abs(ctrl.verify.means[(1, 3)] - 0.020) < 0.001

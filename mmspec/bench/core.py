@@ -47,14 +47,16 @@ class BenchConfig:
 
 
 def _interleaved(methods: dict, repeats: int, samples: dict | None = None):
-    """Time each method `repeats` times in rounds (A, B, C, A, B, C, ...) after a warm-up
+    """Time each method `repeats` times in rounds (A, B, C, C, B, A, A, ...) after a warm-up
     round, so slow drifts of the machine hit every method alike; returns medians. Pass a dict
     as `samples` to get every round's seconds per method too (for paired per-round ratios)."""
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
     rounds = {} if samples is None else samples
     rounds.update({name: [] for name in methods})
-    for _ in range(repeats):
-        for name, fn in methods.items():
+    order = list(methods.items())
+    for r in range(repeats):
+        # Odd rounds run in reverse order, so no method always follows the same neighbour.
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
             outs[name] = fn()
             rounds[name].append(time.perf_counter() - t0)

@@ -125,10 +125,26 @@ def _relation(a: dict[str, Any], b: dict[str, Any], rng: np.random.Generator) ->
     return None
 
 
-def caption(attrs: dict[str, Any], rng: np.random.Generator) -> str:
-    """One caption of the scene, sampled from the grammar."""
+CAPTION_ORDERS = ("random", "main_first")
+
+
+def object_order(attrs: dict[str, Any], order: str, rng: np.random.Generator) -> list[int]:
+    """The order in which a caption names the objects: ``random`` (a uniform permutation), or
+    ``main_first`` (the main, largest object, then the others from left to right: an order a
+    reader can see in the image, so the next object to name is never a matter of chance)."""
     objects = attrs["objects"]
-    order = [int(i) for i in rng.permutation(len(objects))]
+    if order == "random":
+        return [int(i) for i in rng.permutation(len(objects))]
+    if order == "main_first":
+        rest = sorted((i for i in range(len(objects)) if i != attrs["main"]), key=lambda i: objects[i]["x"])
+        return [int(attrs["main"])] + rest
+    raise ValueError(f"caption order {order!r}: choose from {CAPTION_ORDERS}")
+
+
+def caption(attrs: dict[str, Any], rng: np.random.Generator, order: str = "random") -> str:
+    """One caption of the scene, sampled from the grammar (objects named in ``order``)."""
+    objects = attrs["objects"]
+    order = object_order(attrs, order, rng)
     nps = [noun_phrase(objects[i], rng) for i in order]
     style = rng.random()
     if len(objects) == 1:
@@ -154,8 +170,8 @@ def caption(attrs: dict[str, Any], rng: np.random.Generator) -> str:
     return " ".join(text.split())
 
 
-def sample_captions(attrs: dict[str, Any], n: int, rng: np.random.Generator) -> list[str]:
-    return [caption(attrs, rng) for _ in range(n)]
+def sample_captions(attrs: dict[str, Any], n: int, rng: np.random.Generator, order: str = "random") -> list[str]:
+    return [caption(attrs, rng, order) for _ in range(n)]
 
 
 def _name(obj: dict[str, Any]) -> str:

@@ -100,6 +100,7 @@ class VLMTrainConfig:
     lm_tower_lr_scale: float = 0.25  # their learning rate relative to lm_lr
     warmup: int = 60
     caption_fraction: float = 0.5
+    caption_order: str = "random"  # order of objects in training captions (language.CAPTION_ORDERS)
     # drafters (pipelines.train_drafter)
     drafter_images: int = 512
     drafter_steps: int = 500
@@ -127,6 +128,10 @@ class VLMTrainConfig:
         if self.lm_shape_weight <= 0 or self.lm_tower_lr_scale < 0 or self.tower_object_weight < 0:
             raise ValueError(f"lm_shape_weight={self.lm_shape_weight} must be > 0, lm_tower_lr_scale="
                              f"{self.lm_tower_lr_scale} and tower_object_weight={self.tower_object_weight} >= 0")
+        from mmspec.testbed.language import CAPTION_ORDERS
+
+        if self.caption_order not in CAPTION_ORDERS:
+            raise ValueError(f"caption_order={self.caption_order!r}: choose from {CAPTION_ORDERS}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
 
@@ -208,6 +213,7 @@ def finish_tower(model, states: torch.Tensor, n_top: int) -> torch.Tensor:
 def render(cfg: VLMTrainConfig, split: str, n: int, processor) -> dict:
     from tqdm import tqdm
 
+    from mmspec.testbed.language import sample_captions
     from mmspec.testbed.world import World
 
     world = World(seed=cfg.seed, split=split)
@@ -226,7 +232,11 @@ def render(cfg: VLMTrainConfig, split: str, n: int, processor) -> dict:
             pres[wc.class_label(o["shape"], o["colour"])] = 1
         present.append(pres)
         count.append(len(s.attributes["objects"]) - 1)
-        captions.append(s.captions)
+        if cfg.caption_order == "random":  # the world's own captions
+            captions.append(s.captions)
+        else:  # the same grammar, objects named in a fixed order (own stream: the scene is unchanged)
+            rng = np.random.default_rng([cfg.seed, 7, i, split == "train"])
+            captions.append(sample_captions(s.attributes, len(s.captions), rng, cfg.caption_order))
         qa.append(s.qa)
         if len(chunk) == 256 or i == n - 1:
             pixels.append(processor.image_processor(chunk, return_tensors="pt")["pixel_values"].half())
