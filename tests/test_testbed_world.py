@@ -142,3 +142,21 @@ def test_tokenizer_covers_every_caption_and_answer(scenes):
 def test_impossible_settings_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         WorldConfig(**kwargs)
+
+
+def test_main_first_captions_name_the_main_object_then_the_others_left_to_right(scenes):
+    """The `main_first` order (a training option of the testbed VLM): read back with the eval's own
+    parser, the named (colour, shape) pairs come in exactly that order; the scene is unchanged."""
+    from mmspec.testbed.language import sample_captions
+    from mmspec.testbed.vlm_eval import caption_pairs
+
+    multi = [s for s in scenes if len(s.attributes["objects"]) > 1]
+    assert len(multi) >= 5
+    for s in multi:
+        objs, main = s.attributes["objects"], s.attributes["main"]
+        rest = sorted((o for i, o in enumerate(objs) if i != main), key=lambda o: o["x"])
+        want = [(o["colour"], o["shape"]) for o in [objs[main]] + rest]
+        for text in sample_captions(s.attributes, 4, np.random.default_rng(s.index), "main_first"):
+            assert caption_pairs(text) == want, text
+    with pytest.raises(ValueError, match="caption order"):
+        sample_captions(multi[0].attributes, 1, np.random.default_rng(0), "sorted")
