@@ -34,7 +34,10 @@ Limits: lossy. The distortion reported per candidate is the over-accepted mass a
 `max(0, q(x) * alpha - p(x))`, which is the whole total-variation distance of the step for a
 one-hot draft; for sampled drafts the other tokens' over-acceptance is not included (it
 would need one cluster per vocabulary entry). Cost per candidate: one sort of p ([V]) and a
-gather of `window` embeddings.
+gather of `window` embeddings. For p in float32 or narrower the window comes from two
+top-k over an exact integer key instead of the sort, and for codebooks of <= 1024 codes the
+distances from a table computed once (both give the same clusters; tested against a
+transcription of the rule).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ import torch
 
 from .base import ChainRule
 from .exact import capped_ratio, exact_residual
+
+
+# Squared-distance tables of small codebooks, by embedding tensor (identity, shape, in-place
+# version): the few models of a process, each computed once.
+_D2_TABLES: dict = {}
 
 
 class GroupedAcceptance(ChainRule):
@@ -87,18 +95,65 @@ class GroupedAcceptance(ChainRule):
             emb = emb.to(p.device)
             self.embeddings = emb
         px = p.gather(-1, x.unsqueeze(-1))  # [M, 1]
-        order = torch.sort(p, dim=-1, stable=True).indices  # ascending, ties by token id
-        ids = torch.arange(V, device=p.device).unsqueeze(0)
-        rank = ((p < px) | ((p == px) & (ids < x.unsqueeze(-1)))).sum(-1)  # x's place in `order`
-        pos = rank.unsqueeze(-1) - self.window // 2 + torch.arange(self.window, device=p.device)
-        inside = (pos >= 0) & (pos < V)
-        tokens = order.gather(-1, pos.clamp(0, V - 1))  # [M, W]
+        if p.element_size() <= 4 and V < 2 ** 31:
+            tokens, inside = self._window_by_key(x, p)
+        else:
+            order = torch.sort(p, dim=-1, stable=True).indices  # ascending, ties by token id
+            ids = torch.arange(V, device=p.device).unsqueeze(0)
+            rank = ((p < px) | ((p == px) & (ids < x.unsqueeze(-1)))).sum(-1)  # x's place in `order`
+            pos = rank.unsqueeze(-1) - self.window // 2 + torch.arange(self.window, device=p.device)
+            inside = (pos >= 0) & (pos < V)
+            tokens = order.gather(-1, pos.clamp(0, V - 1))  # [M, W]
         pw = p.gather(-1, tokens)
-        d2 = (emb[tokens] - emb[x].unsqueeze(1)).pow(2).sum(-1)  # ||e_w - e_x||^2, [M, W]
+        d2 = self._distances(x, tokens, emb)  # ||e_w - e_x||^2, [M, W]
         member = inside & ((pw - px).abs() < self.prob_threshold) & (d2 < self.distance_threshold)
         # x itself always belongs (its own rank is inside the window, distance 0).
         member = member | (tokens == x.unsqueeze(-1)) & inside
         return tokens, member
+
+    def _window_by_key(self, x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same rank window without sorting p (a sort of [M, V] dominated the rule's cost):
+        for p >= 0 in at most 32 bits, the bits of p read as an integer rise with p, so
+        key = bits * V + id orders the vocabulary exactly like (p, id); the window is then the
+        `window // 2` largest keys below x's, x, and the smallest keys above it (two top-k)."""
+        M, V = p.shape
+        bits = (p.float() + 0.0).view(torch.int32).to(torch.int64)  # exact in float32; + 0.0 turns -0.0 into 0.0
+        key = bits * V + torch.arange(V, device=p.device)
+        kx = key.gather(-1, x.unsqueeze(-1))
+        n_lo, n_hi = self.window // 2, self.window - self.window // 2 - 1
+        big = torch.iinfo(torch.int64).max
+        parts, ok = [], []
+        if n_lo:
+            lo = torch.where(key < kx, key, -1).topk(min(n_lo, V), dim=-1).values.flip(-1)  # ascending
+            lo = torch.cat([lo.new_full((M, n_lo - lo.shape[1]), -1), lo], -1)
+            parts.append(lo)
+            ok.append(lo >= 0)
+        parts.append(kx)
+        ok.append(torch.ones_like(kx, dtype=torch.bool))
+        if n_hi:
+            hi = torch.where(key > kx, key, big).topk(min(n_hi, V), dim=-1, largest=False).values
+            hi = torch.cat([hi, hi.new_full((M, n_hi - hi.shape[1]), big)], -1)
+            parts.append(hi)
+            ok.append(hi < big)
+        keys, inside = torch.cat(parts, -1), torch.cat(ok, -1)
+        return torch.where(inside, keys % V, 0), inside
+
+    def _distances(self, x: torch.Tensor, tokens: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """||e_w - e_x||^2 for the window, from a [V, V] table when the vocabulary is small
+        (<= 1024 codes: at most 4 MiB, computed once per device), else from the embeddings."""
+        V = emb.shape[0]
+        if V > 1024:
+            return (emb[tokens] - emb[x].unsqueeze(1)).pow(2).sum(-1)
+        key = (emb.data_ptr(), tuple(emb.shape), emb.dtype, str(emb.device), emb._version)
+        hit = _D2_TABLES.get(key)
+        if hit is None:  # a rule named by string is built per call: the table outlives it
+            table = torch.stack([(emb - emb[i]).pow(2).sum(-1) for i in range(V)])
+            while len(_D2_TABLES) >= 4:
+                _D2_TABLES.pop(next(iter(_D2_TABLES)))
+            # The entry holds the embedding tensor itself, so its memory cannot be freed and
+            # reused by another tensor under the same key; an in-place edit changes _version.
+            hit = _D2_TABLES[key] = (emb, table)
+        return hit[1][x.unsqueeze(1), tokens]
 
     def accept_probability(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         tokens, member = self.cluster(x, p)

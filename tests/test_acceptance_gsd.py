@@ -191,3 +191,41 @@ def test_cluster_exact_invalid_labels():
     rule = ClusterExactAcceptance(LABELS)
     with pytest.raises(ValueError, match="labels"):
         rule.accept_probability(torch.tensor([0]), torch.full((1, 5), 0.2), None)
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 14, 40])
+def test_float32_window_by_integer_key_matches_reference_transcription(window):
+    """float32 probabilities take the sort-free path (two top-k over an exact integer key) and the
+    distance table: same clusters as the transcription, including ties at zero probability, -0.0,
+    windows cut at both ends of the ranking and windows wider than the vocabulary."""
+    gen = torch.Generator().manual_seed(3)
+    V, M = 30, 80
+    emb = clustered_embeddings(V, seed=4)
+    rule = GroupedAcceptance(emb, window=window, prob_threshold=0.3, distance_threshold=0.5)
+    p = torch.softmax(2 * torch.randn(M, V, generator=gen), -1)
+    p[:20, :12] = 0.0
+    p[20:25, :3] = -0.0  # a masked entry may carry the sign bit
+    p[25:30] = 1.0 / V  # all tied
+    p[30:35] = 0.0
+    p[30:35, 7] = 1.0  # one-hot: x at the top, everything else tied at 0
+    x = torch.randint(0, V, (M,), generator=gen)
+    x[:10] = torch.arange(10)  # drafts inside the zero block (bottom of the ranking)
+    tokens, member = rule.cluster(x, p)
+    assert p.dtype == torch.float32
+    sizes = []
+    for m in range(M):
+        got = set(tokens[m][member[m]].tolist())
+        assert got == reference_cluster(x[m], p[m].double(), rule.embeddings, window, 0.3, 0.5), m
+        sizes.append(len(got))
+    assert window == 1 or max(sizes) > 1
+
+
+def test_distance_table_follows_in_place_edits_of_the_embeddings():
+    emb = clustered_embeddings(16, seed=5)
+    p = torch.full((1, 16), 1.0 / 16)
+    x = torch.tensor([3])
+    before = GroupedAcceptance(emb, window=40, distance_threshold=0.5).cluster(x, p)[1].sum()
+    with torch.no_grad():
+        emb.mul_(100.0)  # every pair now far apart: the draft's cluster is itself alone
+    tokens, member = GroupedAcceptance(emb, window=40, distance_threshold=0.5).cluster(x, p)
+    assert before > 1 and tokens[member].tolist() == [3]
