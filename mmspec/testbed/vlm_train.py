@@ -77,14 +77,14 @@ class VLMTrainConfig:
     # data
     n_train: int = 12000
     n_val: int = 200
-    image_size: int = 60  # processor crop (scenes are rendered at 64; 64 with patch 8 = no resampling)
-    patch_size: int = 10
+    image_size: int = 64  # processor crop (scenes are rendered at 64: no resampling)
+    patch_size: int = 8
     # vision tower + its pretraining
     tower_dim: int = 128
     tower_layers: int = 4
     tower_heads: int = 4
-    tower_steps: int = 4500
-    tower_object_weight: float = 0.0  # weight of the per-object colour x shape loss (0 = off)
+    tower_steps: int = 3000
+    tower_object_weight: float = 1.0  # weight of the per-object colour x shape loss (0 = off)
     tower_batch: int = 64
     tower_lr: float = 2e-3
     # language model
@@ -100,10 +100,10 @@ class VLMTrainConfig:
     lm_tower_lr_scale: float = 0.25  # their learning rate relative to lm_lr
     warmup: int = 60
     caption_fraction: float = 0.5
-    caption_order: str = "random"  # order of objects in training captions (language.CAPTION_ORDERS)
+    caption_order: str = "main_first"  # order of objects in training captions (language.CAPTION_ORDERS)
     # drafters (pipelines.train_drafter)
-    drafter_images: int = 512
-    drafter_steps: int = 500
+    drafter_images: int = 1024
+    drafter_steps: int = 2000
     drafter_batch: int = 8
     drafter_lr: float = 1e-3
     answer_tokens: int = 40
