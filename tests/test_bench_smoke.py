@@ -74,3 +74,10 @@ def test_bench_core_fastest_round_figures(tmp_path):
     assert abs(fr["auto_vs_plain"] - want) < 5e-3 * want + 1e-3
     best = min((n for n in secs if n.startswith("K=")), key=lambda n: min(secs[n]))
     assert fr["best_fixed"] == best
+
+
+def test_bench_core_refuses_zero_repeats_instead_of_using_the_default():
+    import pytest
+
+    with pytest.raises(SystemExit, match="repeats"):
+        main(["bench", "core", "--smoke", "--repeats", "0"])

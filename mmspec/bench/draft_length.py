@@ -188,8 +188,11 @@ def main(argv: list[str]) -> int:
     if a.smoke:
         pair = PairConfig(vocab_size=256, hidden_size=64, intermediate_size=128, target_layers=2, heads=4)
         a.fixed_k, a.k_max, a.max_new_tokens, a.pairs = (1, 2), 3, 8, "bench"
-        a.batch_sizes, a.repeats = a.batch_sizes or (1, 2), a.repeats or 1  # unless given
-    a.batch_sizes, a.repeats = a.batch_sizes or (1, 4, 8, 16), a.repeats or 2
+    # Defaults only where the option was not given (a given 0 reaches DraftLengthBench's check).
+    if a.batch_sizes is None:
+        a.batch_sizes = (1, 2) if a.smoke else (1, 4, 8, 16)
+    if a.repeats is None:
+        a.repeats = 1 if a.smoke else 2
     try:
         config = DraftLengthBench(pairs=tuple(a.pairs.split(",")), batch_sizes=a.batch_sizes, fixed_k=a.fixed_k,
                                   k_max=a.k_max, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
