@@ -306,9 +306,11 @@ def _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, K, stats
 
 
 def check_drafter(target, drafter) -> None:
-    """A drafter must share the target's token grid, token dimension, classes and head
-    schedule (the trajectories are aligned step by step), and its dtype and device (the shared
-    noise is drawn once, in the target's dtype)."""
+    """A drafter must share the target's token grid, token dimension and classes, and its
+    dtype and device (the shared noise is drawn once, in the target's dtype). It may sample its
+    head in fewer steps than the target (a cheaper draft): it then uses the first of the shared
+    per-step noises, and its trajectory is aligned with the target's at x_T and at the final
+    noise only. Exactness does not depend on it (the target's trajectory is its own)."""
     for arg, model in (("target", target), ("drafter", drafter)):
         if not isinstance(model, MARModel):
             raise TypeError(f"{arg} must be a mmspec.models.mar.MARModel, got {type(model).__name__}")
@@ -319,7 +321,11 @@ def check_drafter(target, drafter) -> None:
     for name in ("seq_len", "token_embed_dim"):
         if getattr(target, name) != getattr(drafter, name):
             raise ValueError(f"drafter {name}={getattr(drafter, name)} differs from the target's {getattr(target, name)}")
-    for name in ("class_num", "patch_size", "vae_embed_dim", "num_sampling_steps"):
+    for name in ("class_num", "patch_size", "vae_embed_dim"):
         if getattr(target.config, name) != getattr(drafter.config, name):
             raise ValueError(f"drafter config {name}={getattr(drafter.config, name)} differs from the target's "
                              f"{getattr(target.config, name)}")
+    if drafter.diffloss.gen.num_steps > target.diffloss.gen.num_steps:
+        raise ValueError(f"drafter config num_sampling_steps={drafter.config.num_sampling_steps} is above the target's "
+                         f"{target.config.num_sampling_steps}: the shared noise is drawn for the target's head steps; "
+                         "give the drafter as many head steps or fewer")

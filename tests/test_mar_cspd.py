@@ -37,7 +37,10 @@ class GaussianHead(DiffLoss):
         super().__init__(base.in_channels, W.shape[1], 1, 8, base.num_sampling_steps)
         self.W, self.s2 = W, s * s
 
-    def _model_out(self, x, t_orig, z, z_uncond, cfg):
+    def cond_embedding(self, z, z_uncond=None):
+        return None
+
+    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None):
         ac = self.train_schedule.alphas_cumprod.to(x.dtype)[t_orig][:, None]
         m = z @ self.W
         if z_uncond is not None:
@@ -69,7 +72,7 @@ def _shared_noise(n_rows, L, D, S, seed_traj, seed_final):
                     base.steps.expand(n_rows, L, S - 1, D), fin)
 
 
-def _ks_setup():
+def _ks_setup(drafter_steps=4):
     cfg = dict(img_size=12, vae_stride=4, vae_embed_dim=2, num_sampling_steps=4, class_num=3)
     target = tiny_mar(1, **cfg)
     W = torch.randn(32, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.3
@@ -77,15 +80,16 @@ def _ks_setup():
     drafter = copy.deepcopy(target)
     drafter.diffloss = GaussianHead(target.diffloss, W + 0.002 * torch.randn(32, 2, generator=torch.Generator().manual_seed(3),
                                                                             dtype=torch.float64))
+    drafter.set_num_sampling_steps(drafter_steps)
     return target, drafter
 
 
-def _ks_run(drafter_final_noise: bool, n=1500):
+def _ks_run(drafter_final_noise: bool, n=1500, drafter_steps=4):
     from scipy.stats import ks_2samp
 
     import mmspec.pipelines.cspd as cspd
 
-    target, drafter = _ks_setup()
+    target, drafter = _ks_setup(drafter_steps)
     L, D, S = target.seq_len, 2, 4
     labels = torch.full((n,), 2, dtype=torch.long)
     plain, _ = sample_mar(target, labels, num_iter=3, guidance_scale=1.5, noise=_shared_noise(n, L, D, S, 0, 1))
@@ -114,6 +118,15 @@ def test_token_distribution_matches_plain_sampling_ks():
     assert st.residual_tokens > 1000 and st.fallbacks < 0.01 * st.residual_tokens
     assert 0 < st.bonus_steps < st.rounds * st.images  # some rows took the bonus step, others stopped earlier
     assert p_min > 0.01 / k, (p_min, st.summary())  # Bonferroni over the k position x dimension tests
+
+
+def test_drafter_with_fewer_head_steps_stays_exact():
+    # the drafter samples its head in 2 steps, the target in 4: a cheaper draft, the same law
+    # (its trajectory is no longer aligned with the target's, so the exact rule rejects its
+    # tokens here and the residual carries the law)
+    p_min, k, st = _ks_run(drafter_final_noise=True, drafter_steps=2)
+    assert st.drafted_tokens > 0 and st.residual_tokens > 1000, st.summary()
+    assert p_min > 0.01 / k, (p_min, st.summary())
 
 
 def test_ks_has_power_against_missing_final_noise():
@@ -148,8 +161,12 @@ def test_bad_inputs_are_refused_naming_the_argument():
         sample_mar(m, ok, num_iter=4, drafter=tiny_mar(vae_embed_dim=3))
     with pytest.raises(ValueError, match="drafter seq_len"):
         sample_mar(m, ok, num_iter=4, drafter=tiny_mar(img_size=20))
-    with pytest.raises(ValueError, match="drafter config num_sampling_steps"):
-        sample_mar(m, ok, num_iter=4, drafter=tiny_mar(num_sampling_steps=4))
+    with pytest.raises(ValueError, match="drafter config num_sampling_steps=6 is above"):
+        sample_mar(m, ok, num_iter=4, drafter=tiny_mar(num_sampling_steps=6))
+    for bad in (1, True, 2.5):
+        with pytest.raises(ValueError, match="num_sampling_steps"):
+            tiny_mar().set_num_sampling_steps(bad)
+    assert tiny_mar().set_num_sampling_steps(3).config.num_sampling_steps == 3
     with pytest.raises(ValueError, match="drafter config class_num"):
         sample_mar(m, ok, num_iter=4, drafter=tiny_mar(class_num=6))
     with pytest.raises(ValueError, match="temperature"):

@@ -160,3 +160,25 @@ def test_main_first_captions_name_the_main_object_then_the_others_left_to_right(
             assert caption_pairs(text) == want, text
     with pytest.raises(ValueError, match="caption order"):
         sample_captions(multi[0].attributes, 1, np.random.default_rng(0), "sorted")
+
+
+def test_centred_main_object_stays_within_the_jitter_and_is_drawn_there():
+    cfg = WorldConfig(max_objects=1, backgrounds=("plain",), main_position="centre", centre_jitter=0.05)
+    scenes = World(seed=3, config=cfg).sample(40)
+    xs = np.array([s.attributes["objects"][0]["x"] for s in scenes])
+    ys = np.array([s.attributes["objects"][0]["y"] for s in scenes])
+    assert np.abs(xs - 0.5).max() <= 0.05 and np.abs(ys - 0.5).max() <= 0.05
+    assert xs.std() > 0.01 and ys.std() > 0.01  # jittered, not all at one point
+    # the rendered object is where the attributes say: the centre pixel differs from the corner
+    for s in scenes[:10]:
+        img = np.asarray(s.image).astype(int)
+        assert np.abs(img[32, 32] - img[1, 1]).sum() > 60
+    # the default placement is unchanged ("anywhere"): centres spread over the image
+    anywhere = World(seed=3, config=WorldConfig(max_objects=1)).sample(40)
+    assert np.std([s.attributes["objects"][0]["x"] for s in anywhere]) > 0.1
+
+
+@pytest.mark.parametrize("kwargs", [dict(main_position="middle"), dict(centre_jitter=0.3), dict(centre_jitter=-0.1)])
+def test_bad_placement_settings_raise(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        WorldConfig(**kwargs)

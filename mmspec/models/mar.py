@@ -244,6 +244,19 @@ class MARModel(ModelMixin, ConfigMixin):
         zm, tm = z[masked].repeat(mul, 1), x[masked].repeat(mul, 1)
         return self.diffloss.loss(tm, zm, generator).mean()
 
+    def set_num_sampling_steps(self, num_sampling_steps: int) -> "MARModel":
+        """Sample the diffusion head in `num_sampling_steps` respaced steps from now on (the
+        official `num_sampling_steps`, an inference setting: the weights do not change). A CSpD
+        drafter with fewer steps than its target drafts faster."""
+        if isinstance(num_sampling_steps, bool) or not isinstance(num_sampling_steps, int) or not 2 <= num_sampling_steps <= 1000:
+            raise ValueError(f"num_sampling_steps must be an int in [2, 1000], got {num_sampling_steps!r}")
+        from mmspec.models.mar_diffloss import RespacedCosineSchedule
+
+        self.diffloss.num_sampling_steps = num_sampling_steps
+        self.diffloss.gen = RespacedCosineSchedule(num_sampling_steps)
+        self.register_to_config(num_sampling_steps=num_sampling_steps)
+        return self
+
     # -- official checkpoints ------------------------------------------------------------
 
     @classmethod

@@ -155,8 +155,12 @@ class SimpleMLPAdaLN(nn.Module):
             nn.init.zeros_(p)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.forward_y(x, self.time_embed(t) + self.cond_embed(c))
+
+    def forward_y(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`forward` with y = time_embed(t) + cond_embed(c) given (the sampler computes
+        cond_embed once per token and time_embed once per step)."""
         x = self.input_proj(x)
-        y = self.time_embed(t) + self.cond_embed(c)
         for block in self.res_blocks:
             x = block(x, y)
         return self.final_layer(x, y)
@@ -188,23 +192,32 @@ class DiffLoss(nn.Module):
 
     # -- sampling ------------------------------------------------------------------------
 
-    def _model_out(self, x, t_orig, z, z_uncond, cfg):
-        """eps (guided when z_uncond is given) and variance logits v, each [N, D]."""
+    def cond_embedding(self, z, z_uncond=None):
+        """cond_embed of z ([z; z_uncond] under CFG): constant along a trajectory, so computed once."""
+        return self.net.cond_embed(z if z_uncond is None else torch.cat([z, z_uncond]))
+
+    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None):
+        """eps (guided when z_uncond is given) and variance logits v, each [N, D].
+        c_emb: cond_embed of z (cat of z, z_uncond under CFG), computed once by the caller."""
         D = self.in_channels
+        net = self.net
+        if c_emb is None:
+            c_emb = self.cond_embedding(z, z_uncond)
+        y = net.time_embed(t_orig[:1]) + c_emb  # one timestep for all tokens: embed it once
         if z_uncond is None:
-            out = self.net(x, t_orig, z)
+            out = net.forward_y(x, y)
             return out[:, :D], out[:, D:]
-        out = self.net(torch.cat([x, x]), torch.cat([t_orig, t_orig]), torch.cat([z, z_uncond]))
+        out = net.forward_y(torch.cat([x, x]), y)
         cond, uncond = out.chunk(2)
         eps = uncond[:, :D] + cfg[:, None] * (cond[:, :D] - uncond[:, :D])
         return eps, cond[:, D:]  # the official forward_with_cfg keeps each half's own variance; the cond half is returned
 
-    def gaussian_step(self, x, i: int, z, z_uncond=None, cfg=None, temperature: float = 1.0):
+    def gaussian_step(self, x, i: int, z, z_uncond=None, cfg=None, temperature: float = 1.0, c_emb=None):
         """Mean and std (float64, temperature applied) of p(x_{i-1} | x_i) at respaced step i."""
         s = self.gen
         dev = x.device
         t_orig = torch.full((x.shape[0],), int(s.timestep_map[i]), dtype=torch.long, device=dev)
-        eps, v = self._model_out(x, t_orig, z, z_uncond, cfg)
+        eps, v = self._model_out(x, t_orig, z, z_uncond, cfg, c_emb)
         eps, v, x64 = eps.double(), v.double(), x.double()
         pred_x0 = float(s.sqrt_recip_ac[i]) * x64 - float(s.sqrt_recipm1_ac[i]) * eps
         if self.clip_x0 is not None:  # improved-diffusion's clip_denoised, generalised to [-c, c]
@@ -227,11 +240,14 @@ class DiffLoss(nn.Module):
     ) -> HeadTrajectory:
         """Denoise N tokens along the given noises; deterministic given them."""
         S = self.gen.num_steps
+        if step_noise.shape[1] < S - 1:
+            raise ValueError(f"step_noise has {step_noise.shape[1]} steps; this head samples in {S} and needs {S - 1}")
         x = init_noise.to(z.dtype)
+        c_emb = self.cond_embedding(z, z_uncond)
         for col, i in enumerate(range(S - 1, 0, -1)):
-            mean, std = self.gaussian_step(x, i, z, z_uncond, cfg, temperature)
+            mean, std = self.gaussian_step(x, i, z, z_uncond, cfg, temperature, c_emb)
             x = (mean + std * step_noise[:, col].double()).to(z.dtype)
-        mean, std = self.gaussian_step(x, 0, z, z_uncond, cfg, temperature)
+        mean, std = self.gaussian_step(x, 0, z, z_uncond, cfg, temperature, c_emb)
         sample = mean if final_noise is None else mean + std * final_noise.double()
         return HeadTrajectory(sample=sample.to(z.dtype), mean=mean, std=std)
 

@@ -99,8 +99,11 @@ class MARTrainConfig:
     buffer_size: int = 8
     eval_num_iter: int = 16
     eval_guidance: float = 3.0
+    main_position: str = "centre"  # the world's main_position: "centre" (+-centre_jitter) or "anywhere"
+    centre_jitter: float = 0.06
 
     def __post_init__(self):
+        self.world_config()  # validates main_position / centre_jitter
         for name in ("n_train", "n_eval", "vae_steps", "vae_batch", "vae_crop", "mar_steps", "mar_batch",
                      "draft_steps", "threads"):
             if getattr(self, name) < 1:
@@ -118,17 +121,18 @@ class MARTrainConfig:
             raise ValueError("MARTrainConfig.n_eval must be >= 2 (Frechet needs a covariance)")
 
 
-def world_config():
-    from mmspec.testbed.world import WorldConfig
+    def world_config(self):
+        from mmspec.testbed.world import WorldConfig
 
-    return WorldConfig(max_objects=1, backgrounds=("plain",))
+        return WorldConfig(max_objects=1, backgrounds=("plain",), main_position=self.main_position,
+                           centre_jitter=self.centre_jitter)
 
 
-def scenes(split: str, n: int, seed: int = 0):
+def scenes(c: MARTrainConfig, split: str, n: int):
     from mmspec.testbed.judge_model import to_pixels
     from mmspec.testbed.world import World
 
-    s = World(seed=seed, split=split, config=world_config()).sample(n)
+    s = World(seed=c.seed, split=split, config=c.world_config()).sample(n)
     return to_pixels([x.image for x in s]), torch.tensor([x.class_label for x in s])
 
 
@@ -228,7 +232,7 @@ def vae_quality(vae, c: MARTrainConfig, judge_dir: str = str(JUDGE_DIR)) -> dict
     from mmspec.testbed.judge_model import Judge
 
     judge = Judge.from_pretrained(judge_dir)
-    val_px, val_lab = scenes("validation", c.n_eval, c.seed)
+    val_px, val_lab = scenes(c, "validation", c.n_eval)
     rec = torch.cat([vae.decode(vae.encode(x.to(c.device)).latent_dist.mean).sample.cpu() for x in val_px.split(128)])
     return {"vae_psnr_db": float(psnr(rec, val_px).mean()), "judge_real_subset": judge.score(val_px, val_lab.tolist()),
             "judge_vae_recon": judge.score(rec.clamp(-1, 1), val_lab.tolist())}
@@ -237,7 +241,7 @@ def vae_quality(vae, c: MARTrainConfig, judge_dir: str = str(JUDGE_DIR)) -> dict
 def stage_vae(c, work, log, bar) -> dict:
     from diffusers import AutoencoderKL  # noqa: F401  (fail early when diffusers is missing)
 
-    pixels, labels = scenes("train", c.n_train, c.seed)
+    pixels, labels = scenes(c, "train", c.n_train)
     log({"phase": "data", "n": c.n_train})
     vae = train_vae(c, pixels, log, bar)
     lat = encode_all(vae, pixels, c.device, c.seed)
@@ -349,7 +353,7 @@ def evaluate(pipe, c: MARTrainConfig, out_dir: str | None = None, judge_dir: str
                      "target_calls": res.stats.spec.target_calls, "draft_calls": res.stats.spec.draft_calls,
                      "acceptance_rate": res.stats.acceptance_rate, "fallbacks": res.stats.fallbacks}
         if out_dir is not None and not spec:
-            real, real_labels = scenes("validation", 256, c.seed)
+            real, real_labels = scenes(c, "validation", 256)
             contact_sheet(px[:128], labels[:128], real, real_labels, os.path.join(out_dir, "contact_sheet.png"))
     return out
 

@@ -68,8 +68,17 @@ class WorldConfig:
     questions_per_scene: int = 6
     # Images must tile into VQ tokens: the LlamaGen VQ downsamples by this factor.
     token_downsample: int = 4
+    # Where the main object's centre goes: "anywhere" it fits (default), or "centre": within
+    # +-centre_jitter (fraction of the image) of the middle, for generators too small to learn
+    # where an object is (the testbed MAR pair, mmspec/testbed/mar_train.py).
+    main_position: str = "anywhere"
+    centre_jitter: float = 0.06
 
     def __post_init__(self) -> None:
+        if self.main_position not in ("anywhere", "centre"):
+            raise ValueError(f"main_position={self.main_position!r}: must be 'anywhere' or 'centre'")
+        if not 0.0 <= self.centre_jitter <= 0.2:
+            raise ValueError(f"centre_jitter={self.centre_jitter}: must be in [0, 0.2] (the largest object must fit)")
         if self.min_objects < 1:
             raise ValueError(f"min_objects={self.min_objects}: a scene needs at least 1 object")
         if self.max_objects < self.min_objects or self.max_objects > 3:
@@ -168,7 +177,11 @@ class World:
         n = int(rng.integers(cfg.min_objects, cfg.max_objects + 1))
         objects: list[dict[str, Any]] = []
         main_r = float(rng.uniform(0.17, 0.28))
-        main = _place(rng, main_r)
+        if cfg.main_position == "centre":
+            j = cfg.centre_jitter
+            main = {"x": 0.5 + float(rng.uniform(-j, j)), "y": 0.5 + float(rng.uniform(-j, j)), "r": main_r}
+        else:
+            main = _place(rng, main_r)
         main.update(shape=str(rng.choice(cfg.shapes)), colour=str(rng.choice(cfg.colours)),
                     size="large" if main_r >= 0.225 else "medium")
         objects.append(main)
