@@ -112,6 +112,18 @@ def test_bench_mar_json(folder, tmp_path, capsys):
     main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
           "--threads", "1", "--inner-temperature", "0", "--json", str(path)])
     assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd"]
+    # per-call costs: a plain step, a verify call, a drafter step; a cheaper drafter head on request
+    m = json.loads(path.read_text())["batches"][0]["methods"]
+    assert m["plain"]["ms_per_target_call"] > 0 and m["plain"]["ms_per_draft_call"] is None
+    assert m["cspd"]["ms_per_target_call"] > 0 and m["cspd"]["ms_per_draft_call"] > 0
+    head = json.loads(path.read_text())["model"]["head_steps"]
+    main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
+          "--threads", "1", "--inner-temperature", "0", "--draft-head-steps", "2", "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert report["model"]["drafter_head_steps"] == 2 and report["model"]["head_steps"] == head > 2
+    assert report["batches"][0]["methods"]["cspd"]["draft_forwards_per_image"] > 0
+    with pytest.raises(SystemExit, match="draft_head_steps must be >= 2"):
+        main(["bench", "mar", "--model", str(folder), "--draft-head-steps", "1"])
     with pytest.raises(SystemExit, match="inner_temperature must be 0"):
         main(["bench", "mar", "--model", str(folder), "--inner-temperature", "0.5"])
 

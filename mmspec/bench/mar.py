@@ -57,6 +57,7 @@ class MARBenchConfig:
     threads: int | None = None
     judge: str | None = None  # judge folder; None: no judge
     judge_images: int = 256  # images per method for the judge
+    draft_head_steps: int | None = None  # the drafter's head sampling steps (None: its folder's)
 
     def __post_init__(self):
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
@@ -70,6 +71,8 @@ class MARBenchConfig:
             raise ValueError(f"inner_temperature must be 0 (no relaxed rows) or >= 1, got {self.inner_temperature}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.draft_head_steps is not None and self.draft_head_steps < 2:
+            raise ValueError(f"draft_head_steps must be >= 2, got {self.draft_head_steps}")
 
 
 def _call(cfg: MARBenchConfig, defaults: dict) -> dict:
@@ -95,7 +98,8 @@ def method_call(cfg: MARBenchConfig, call: dict, method: str) -> dict:
 def run_method(pipe, labels: list[int], B: int, call: dict, seed: int) -> dict:
     """Sample `labels` in chunks of B; chunk i uses seed (seed, i) for both methods, so plain and
     CSpD share the generation orders and diffusion noise of every image."""
-    t = dict(target=0, draft=0, accepted=0, judged=0, drafted=0, residual=0, fallbacks=0)
+    t = dict(target=0, draft=0, accepted=0, judged=0, drafted=0, residual=0, fallbacks=0, calls_t=0, calls_d=0,
+             sec_t=0.0, sec_d=0.0)
     t0 = time.perf_counter()
     for i in range(0, len(labels), B):
         chunk = labels[i:i + B]
@@ -104,6 +108,10 @@ def run_method(pipe, labels: list[int], B: int, call: dict, seed: int) -> dict:
         n = len(chunk)
         t["target"] += s.spec.target_calls * n
         t["draft"] += s.spec.draft_calls * n
+        t["calls_t"] += s.spec.target_calls
+        t["calls_d"] += s.spec.draft_calls
+        t["sec_t"] += s.spec.verify_seconds
+        t["sec_d"] += s.spec.draft_seconds
         for key, value in (("accepted", s.accepted_tokens), ("judged", s.judged_tokens), ("drafted", s.drafted_tokens),
                            ("residual", s.residual_tokens), ("fallbacks", s.fallbacks)):
             t[key] += value
@@ -111,7 +119,11 @@ def run_method(pipe, labels: list[int], B: int, call: dict, seed: int) -> dict:
     N = len(labels)
     return {"wall_s": wall, "target_forwards_per_image": t["target"] / N, "draft_forwards_per_image": t["draft"] / N,
             "accepted_tokens": t["accepted"], "judged_tokens": t["judged"], "drafted_tokens": t["drafted"],
-            "residual_tokens": t["residual"], "fallbacks": t["fallbacks"]}
+            "residual_tokens": t["residual"], "fallbacks": t["fallbacks"],
+            # cost of one batched call: a plain step for plain sampling, a verify call (with accept /
+            # residual) for CSpD; a drafter step (forward + head trajectory)
+            "ms_per_target_call": 1e3 * t["sec_t"] / t["calls_t"] if t["calls_t"] else None,
+            "ms_per_draft_call": 1e3 * t["sec_d"] / t["calls_d"] if t["calls_d"] else None}
 
 
 def check_judge(pipe, judge_dir) -> None:
@@ -153,13 +165,16 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
         raise ValueError(f"model={cfg.model!r} has no drafter MAR: CSpD needs one")
     if cfg.judge is not None:
         check_judge(pipe, cfg.judge)
+    if cfg.draft_head_steps is not None:
+        pipe.drafter.set_num_sampling_steps(cfg.draft_head_steps)
     call = _call(cfg, mar_defaults(cfg.model, pipe))
     t, d = pipe.transformer, pipe.drafter
     report = {"config": {**dataclasses.asdict(cfg), **call}, "model": {
         "target_parameters": sum(p.numel() for p in t.parameters()),
         "drafter_parameters": sum(p.numel() for p in d.parameters()),
         "image_tokens": t.seq_len, "token_dim": t.token_embed_dim, "classes": t.config.class_num,
-        "head_steps": t.config.num_sampling_steps, "image_size": t.config.img_size,
+        "head_steps": t.config.num_sampling_steps, "drafter_head_steps": d.config.num_sampling_steps,
+        "image_size": t.config.img_size,
         "torch_threads": torch.get_num_threads(),
     }, "batches": []}
     labels = [i % t.config.class_num for i in range(cfg.num_images)]
@@ -187,6 +202,8 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
                 "drafted_tokens": sum(x["drafted_tokens"] for x in xs),
                 "residual_tokens": sum(x["residual_tokens"] for x in xs),
                 "fallbacks": sum(x["fallbacks"] for x in xs),
+                "ms_per_target_call": _median_or_none(x["ms_per_target_call"] for x in xs),
+                "ms_per_draft_call": _median_or_none(x["ms_per_draft_call"] for x in xs),
             }
         report["batches"].append({"batch_size": B, "methods": rows})
     if cfg.judge is not None:
@@ -194,25 +211,36 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
     return report
 
 
+def _median_or_none(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 3) if vals else None
+
+
 def format_table(report: dict) -> str:
     m, c = report["model"], report["config"]
     lines = [f"MAR, plain vs CSpD: target {m['target_parameters'] / 1e6:.2f}M params, drafter "
              f"{m['drafter_parameters'] / 1e6:.2f}M, {m['image_tokens']} tokens x {m['token_dim']} dims/image, "
              f"{c['num_iter']} steps, guidance {c['guidance_scale']} ({c['cfg_schedule']}), "
-             f"{c['num_draft_steps']} draft steps/round, threads {m['torch_threads']}"]
+             f"{c['num_draft_steps']} draft steps/round, head steps {m['head_steps']} (drafter "
+             f"{m.get('drafter_head_steps', m['head_steps'])}), threads {m['torch_threads']}"]
     for e in report["batches"]:
         lines.append(f"\nbatch {e['batch_size']} ({c['num_images']} images per run, median of {c['repeats']} runs)")
         lines.append(f"{'method':<14}{'tgt fwd/img':>12}{'drf fwd/img':>12}{'accept':>8}{'fallbacks':>10}"
-                     f"{'img/s':>9}{'speed-up':>10}")
+                     f"{'img/s':>9}{'speed-up':>10}{'ms/tgt call':>12}{'ms/drf call':>12}")
         for name, r in e["methods"].items():
             acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
             lines.append(f"{name:<14}{r['target_forwards_per_image']:>12.2f}{r['draft_forwards_per_image']:>12.2f}"
-                         f"{acc:>8}{r['fallbacks']:>10}{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x")
+                         f"{acc:>8}{r['fallbacks']:>10}{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x"
+                         f"{_ms(r.get('ms_per_target_call')):>12}{_ms(r.get('ms_per_draft_call')):>12}")
     if "judge" in report:
         lines.append("\njudge (class accuracy, Frechet):")
         for name, s in report["judge"].items():
             lines.append(f"  {name:<14} {s['images']} images: accuracy {s['accuracy']:.3f}  frechet {s['frechet']:.3f}")
     return "\n".join(lines)
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def save(report: dict, path: str) -> None:
@@ -254,6 +282,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prefill-fraction", type=float, default=0.15)
     p.add_argument("--inner-temperature", type=float, default=42.0,
                    help="cspd-relaxed rows: CSpD's public-code accept test widened by this factor (lossy; 0: no such rows)")
+    p.add_argument("--draft-head-steps", type=int, default=None,
+                   help="sample the drafter's diffusion head in this many steps (cheaper drafts; default: its folder's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     j = p.add_mutually_exclusive_group()
@@ -277,7 +307,7 @@ def main(argv: list[str]) -> int:
                              repeats=args.repeats, num_iter=args.num_iter, guidance_scale=args.guidance_scale,
                              cfg_schedule=args.cfg_schedule, temperature=args.temperature,
                              num_draft_steps=args.num_draft_steps, prefill_fraction=args.prefill_fraction,
-                             inner_temperature=args.inner_temperature,
+                             inner_temperature=args.inner_temperature, draft_head_steps=args.draft_head_steps,
                              seed=args.seed, threads=args.threads, judge=judge, judge_images=args.judge_images)
         report = run(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
