@@ -122,7 +122,8 @@ def cmd_generate(args) -> int:
         pipe.drafter = pipe.drafter_model
     scale = args.guidance_scale if args.guidance_scale is not None else default_guidance(model)
     os.makedirs(args.out, exist_ok=True)
-    call = dict(num_images_per_prompt=args.num_images, guidance_scale=scale, temperature=args.temperature,
+    call = dict(num_images_per_prompt=args.num_images, guidance_scale=scale,
+                temperature=1.0 if args.temperature is None else args.temperature,
                 top_k=args.top_k, acceptance=args.acceptance)
     if args.compare:  # warm both paths up (first calls pay one-off costs), untimed
         pipe(args.class_[:1], **{**call, "num_images_per_prompt": 1}, output_type="latent")
@@ -278,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=None, help="Jacobi window (with --drafter jacobi; default 16)")
     p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default=None, help="default maximal")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the generator's own")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default 1.0 (MAR folders: the folder's own, e.g. 0.7 for the testbed pair)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)

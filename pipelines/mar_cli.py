@@ -58,10 +58,10 @@ def load_mar(path, dtype=None):
 
 
 def mar_defaults(path, pipe) -> dict:
-    """Sampling defaults of a folder: the `eval_num_iter` / `eval_guidance` that
-    `mmspec testbed train-mar` stores in metrics.json, else MAR's 64 steps (at most one per
-    token) and guidance 3.0."""
-    out = {"num_iter": min(64, pipe.transformer.seq_len), "guidance_scale": 3.0}
+    """Sampling defaults of a folder: the `eval_num_iter` / `eval_guidance` / `eval_temperature`
+    that `mmspec testbed train-mar` stores in metrics.json, else MAR's 64 steps (at most one
+    per token), guidance 3.0 and temperature 1.0."""
+    out = {"num_iter": min(64, pipe.transformer.seq_len), "guidance_scale": 3.0, "temperature": 1.0}
     metrics = Path(path) / "metrics.json"
     if metrics.is_file():
         try:
@@ -72,6 +72,9 @@ def mar_defaults(path, pipe) -> dict:
             out["num_iter"] = cfg["eval_num_iter"]
         if isinstance(cfg.get("eval_guidance"), (int, float)):
             out["guidance_scale"] = float(cfg["eval_guidance"])
+        t = cfg.get("eval_temperature")
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0:
+            out["temperature"] = float(t)
     return out
 
 
@@ -134,7 +137,8 @@ def cmd_generate_mar(args, model: str) -> int:
     defaults = mar_defaults(model, pipe)
     call = dict(num_iter=args.num_iter if args.num_iter is not None else defaults["num_iter"],
                 guidance_scale=args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"],
-                cfg_schedule=args.cfg_schedule or "linear", temperature=args.temperature,
+                cfg_schedule=args.cfg_schedule or "linear",
+                temperature=args.temperature if args.temperature is not None else defaults["temperature"],
                 acceptance=args.acceptance or "continuous",
                 num_draft_steps=args.num_draft_steps if args.num_draft_steps is not None else 4,
                 prefill_fraction=args.prefill_fraction if args.prefill_fraction is not None else 0.15)

@@ -98,6 +98,7 @@ def test_bench_mar_json(folder, tmp_path, capsys):
     report = json.loads(path.read_text())
     assert [b["batch_size"] for b in report["batches"]] == [1, 2] and "judge" not in report  # judge off by default
     assert report["config"]["num_iter"] == 4 and report["model"]["image_tokens"] == 16
+    assert report["config"]["temperature"] == 1.0  # no metrics.json: MAR's own default
     for b in report["batches"]:
         plain, cspd = b["methods"]["plain"], b["methods"]["cspd"]
         assert plain["target_forwards_per_image"] == 4.0 and plain["draft_forwards_per_image"] == 0

@@ -14,7 +14,8 @@ from mmspec.cli import main
 from mmspec.testbed.mar_train import MARTrainConfig
 
 TINY = ["--threads", "1", "--n-train", "16", "--vae-steps", "2", "--vae-full-steps", "1", "--mar-steps", "2",
-        "--draft-steps", "1", "--mar-batch", "4", "--n-eval", "4", "--eval-num-iter", "2"]
+        "--draft-steps", "1", "--mar-batch", "4", "--n-eval", "4", "--eval-num-iter", "2",
+        "--eval-temperature", "0.6"]
 
 
 def test_stages_in_separate_invocations(tmp_path):
@@ -53,6 +54,8 @@ def test_stages_in_separate_invocations(tmp_path):
         weights = load_file(str(next((out / comp).glob("*.safetensors"))))
         assert {t.dtype for t in weights.values()} == {torch.float16}, comp
     assert mar_defaults(out, pipe)["num_iter"] == 2
+    assert mar_defaults(out, pipe)["temperature"] == 0.6  # the folder's sampling temperature
+    assert metrics["config"]["main_position"] == "centre"
 
 
 def test_bad_stage_and_config_refused(tmp_path):
@@ -62,6 +65,10 @@ def test_bad_stage_and_config_refused(tmp_path):
         main(["testbed", "train-mar", "--out", str(tmp_path / "o"), "--vae-steps", "5", "--vae-full-steps", "9"])
     with pytest.raises(ValueError, match="vae_crop"):
         MARTrainConfig(vae_crop=20)
+    with pytest.raises(ValueError, match="eval_temperature"):
+        MARTrainConfig(eval_temperature=0.0)
+    with pytest.raises(ValueError, match="main_position"):
+        MARTrainConfig(main_position="corner")
 
 
 def test_mask_ratio_min_reaches_the_model_and_is_checked(tmp_path):

@@ -48,7 +48,7 @@ class MARBenchConfig:
     num_iter: int | None = None  # None: the folder's default (mar_defaults)
     guidance_scale: float | None = None
     cfg_schedule: str = "linear"
-    temperature: float = 1.0
+    temperature: float | None = None  # None: the folder's default
     num_draft_steps: int = 4
     prefill_fraction: float = 0.15
     acceptance: str = "continuous"
@@ -78,7 +78,9 @@ class MARBenchConfig:
 def _call(cfg: MARBenchConfig, defaults: dict) -> dict:
     return dict(num_iter=cfg.num_iter if cfg.num_iter is not None else defaults["num_iter"],
                 guidance_scale=cfg.guidance_scale if cfg.guidance_scale is not None else defaults["guidance_scale"],
-                cfg_schedule=cfg.cfg_schedule, temperature=cfg.temperature, acceptance=cfg.acceptance,
+                cfg_schedule=cfg.cfg_schedule,
+                temperature=cfg.temperature if cfg.temperature is not None else defaults.get("temperature", 1.0),
+                acceptance=cfg.acceptance,
                 num_draft_steps=cfg.num_draft_steps, prefill_fraction=cfg.prefill_fraction)
 
 
@@ -220,7 +222,7 @@ def format_table(report: dict) -> str:
     m, c = report["model"], report["config"]
     lines = [f"MAR, plain vs CSpD: target {m['target_parameters'] / 1e6:.2f}M params, drafter "
              f"{m['drafter_parameters'] / 1e6:.2f}M, {m['image_tokens']} tokens x {m['token_dim']} dims/image, "
-             f"{c['num_iter']} steps, guidance {c['guidance_scale']} ({c['cfg_schedule']}), "
+             f"{c['num_iter']} steps, guidance {c['guidance_scale']} ({c['cfg_schedule']}), temperature {c['temperature']}, "
              f"{c['num_draft_steps']} draft steps/round, head steps {m['head_steps']} (drafter "
              f"{m.get('drafter_head_steps', m['head_steps'])}), threads {m['torch_threads']}"]
     for e in report["batches"]:
@@ -277,7 +279,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num-iter", type=int, default=None, help="generation steps (default: the folder's)")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the folder's, else 3.0")
     p.add_argument("--cfg-schedule", choices=("linear", "constant"), default="linear")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None, help="default: the folder's")
     p.add_argument("--num-draft-steps", type=int, default=4)
     p.add_argument("--prefill-fraction", type=float, default=0.15)
     p.add_argument("--inner-temperature", type=float, default=42.0,
