@@ -198,7 +198,9 @@ class DiffLoss(nn.Module):
 
     def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None):
         """eps (guided when z_uncond is given) and variance logits v, each [N, D].
-        c_emb: cond_embed of z (cat of z, z_uncond under CFG), computed once by the caller."""
+        t_orig [N] holds ONE timestep for all tokens (a sampler step; its embedding is computed
+        once from t_orig[0]). c_emb: cond_embed of z (cat of z, z_uncond under CFG), computed once
+        by the caller."""
         D = self.in_channels
         net = self.net
         if c_emb is None:
