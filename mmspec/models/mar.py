@@ -250,10 +250,7 @@ class MARModel(ModelMixin, ConfigMixin):
         drafter with fewer steps than its target drafts faster."""
         if isinstance(num_sampling_steps, bool) or not isinstance(num_sampling_steps, int) or not 2 <= num_sampling_steps <= 1000:
             raise ValueError(f"num_sampling_steps must be an int in [2, 1000], got {num_sampling_steps!r}")
-        from mmspec.models.mar_diffloss import RespacedCosineSchedule
-
-        self.diffloss.num_sampling_steps = num_sampling_steps
-        self.diffloss.gen = RespacedCosineSchedule(num_sampling_steps)
+        self.diffloss.set_num_sampling_steps(num_sampling_steps)
         self.register_to_config(num_sampling_steps=num_sampling_steps)
         return self
 

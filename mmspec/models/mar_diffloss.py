@@ -186,11 +186,15 @@ class DiffLoss(nn.Module):
         self.clip_x0 = clip_x0
         self.in_channels = target_channels
         self.net = SimpleMLPAdaLN(target_channels, width, z_channels, depth)
-        self.num_sampling_steps = int(num_sampling_steps)
-        self.gen = RespacedCosineSchedule(self.num_sampling_steps)
+        self.set_num_sampling_steps(int(num_sampling_steps))
         self.train_schedule = RespacedCosineSchedule(1000)
 
     # -- sampling ------------------------------------------------------------------------
+
+    def set_num_sampling_steps(self, num_sampling_steps: int) -> None:
+        """Respace the sampler to `num_sampling_steps` steps (an inference setting)."""
+        self.num_sampling_steps = num_sampling_steps
+        self.gen = RespacedCosineSchedule(num_sampling_steps)
 
     def cond_embedding(self, z, z_uncond=None):
         """cond_embed of z ([z; z_uncond] under CFG): constant along a trajectory, so computed once."""
