@@ -36,7 +36,7 @@ Model (per step, B active rows, K drafts per row):
   the drafter catch up on every token since it last ran), while a change in acceptance is
   still found within a few `max_probe_every` steps. A probe also costs what it costs: when
   it changes nothing, the gap is at least long enough that probing takes at most
-  `probe_budget` (2%) of the time of plain steps, from the probe's measured extra seconds
+  `probe_budget` (1%) of the time of plain steps, from the probe's measured extra seconds
   over a step at the kept choice (at most `4 * max_probe_every` steps, so recovery stays bounded); at a
   large batch a probe after a long plain stretch costs a few plain steps. The controller
   lives on the drafter, so the gaps carry over from one call to the next.
@@ -123,7 +123,7 @@ class DraftLengthController:
         warmup: tuple[int, ...] | None = None,
         probe_every: int = 16,
         max_probe_every: int = 64,
-        probe_budget: float = 0.02,
+        probe_budget: float = 0.01,
         min_gain: float = 0.04,
     ):
         if not isinstance(k_max, int) or k_max < 0:

@@ -49,6 +49,21 @@ def test_split_best_fixed_k_is_picked_and_timed_on_different_rounds():
     assert got["auto_vs_picked"] == 1.5  # K=1's odd rounds (3 s) against auto's (2 s)
 
 
+def test_ratio_confidence_interval_is_a_t_interval_on_log_ratios():
+    """Two rounds at 1.0x and 1.1x: logs 0 and 0.0953, sd 0.0674, t(1 df, 90%) = 6.314, so the
+    interval is exp(0.0477 -+ 6.314 * 0.0674 / sqrt 2) = 0.776 .. 1.417 (worked by hand); equal
+    rounds give a zero-width interval; one round gives none."""
+    from mmspec.bench.draft_length import _ratio_ci
+
+    lo, hi = _ratio_ci([1.0, 1.1])
+    assert abs(lo - 0.776) <= 2e-3 and abs(hi - 1.417) <= 2e-3
+    assert _ratio_ci([0.97] * 6) == [0.97, 0.97]
+    assert _ratio_ci([1.2]) is None
+    # More rounds with the same spread narrow it.
+    wide, narrow = _ratio_ci([0.95, 1.05]), _ratio_ci([0.95, 1.05] * 4)
+    assert narrow[0] > wide[0] and narrow[1] < wide[1]
+
+
 def test_interleaved_rounds_alternate_their_order():
     """Rounds run A B C, then C B A, ...: no method always follows the same neighbour."""
     from mmspec.bench.core import _interleaved
@@ -74,6 +89,8 @@ def test_bench_core_fastest_round_figures(tmp_path):
     assert abs(fr["auto_vs_plain"] - want) < 5e-3 * want + 1e-3
     best = min((n for n in secs if n.startswith("K=")), key=lambda n: min(secs[n]))
     assert fr["best_fixed"] == best
+    lo, hi = row["auto_vs_plain_ci90"]
+    assert lo <= hi and lo <= max(row["auto_vs_plain_rounds"]) and hi >= min(row["auto_vs_plain_rounds"])
 
 
 def test_bench_core_refuses_zero_repeats_instead_of_using_the_default():

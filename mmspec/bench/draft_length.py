@@ -10,6 +10,7 @@ ratio auto / best fixed; at batch 1 also transformers' assisted generation at it
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -96,6 +97,8 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 "auto_vs_best_fixed_rounds": _paired(rounds, "auto", best),
                 "seconds_per_round": {k: [round(x, 4) for x in v] for k, v in rounds.items()},
             }
+            row["auto_vs_plain_ci90"] = _ratio_ci(row["auto_vs_plain_rounds"])
+            row["auto_vs_best_fixed_ci90"] = _ratio_ci(row["auto_vs_best_fixed_rounds"])
             # The fastest of each method's rounds: what interference from the rest of the machine
             # (which only ever slows a run down) left untouched; a second, less noisy reading.
             fast = {name: B * N / min(v) for name, v in rounds.items()}
@@ -118,6 +121,25 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
 def _paired(rounds: dict[str, list[float]], a: str, b: str) -> list[float]:
     """Per-round speed of `a` relative to `b` (b's seconds / a's seconds), sorted."""
     return sorted(round(tb / ta, 3) for ta, tb in zip(rounds[a], rounds[b]))
+
+
+# Two-sided 90% Student t quantiles by degrees of freedom (n - 1 paired rounds).
+_T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
+
+
+def _ratio_ci(ratios: list[float]) -> list[float] | None:
+    """90% confidence interval of the typical per-round ratio: a Student t interval on the
+    logs of the paired per-round ratios (a round's methods ran back to back, so the machine's
+    drift cancels within a pair). None with fewer than 2 rounds. It says how far one row's
+    ratio can be trusted: a row whose interval straddles a goal cannot be called from this run."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    mean = sum(logs) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = _T90.get(n - 1, 1.645) * sd / math.sqrt(n)
+    return [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
 
 
 def _split_best(rounds: dict[str, list[float]], fixed: list[str]) -> dict:
@@ -144,6 +166,9 @@ def format_row(row: dict) -> str:
     if "auto_vs_plain_rounds" in row:  # per-round paired ratios: min-max over the rounds
         p, f = row["auto_vs_plain_rounds"], row["auto_vs_best_fixed_rounds"]
         spread = f" [rounds {f[0]:.2f}-{f[-1]:.2f}]", f" [rounds {p[0]:.2f}-{p[-1]:.2f}]"
+    if row.get("auto_vs_plain_ci90"):  # 90% interval of the per-round ratio
+        (fl, fh), (pl, ph) = row["auto_vs_best_fixed_ci90"], row["auto_vs_plain_ci90"]
+        spread = f" [90% CI {fl:.2f}-{fh:.2f}]", f" [90% CI {pl:.2f}-{ph:.2f}]"
     fixed_spread, plain_spread = spread or ("", "")
     fast = ""
     if "fastest_round" in row:
