@@ -92,7 +92,7 @@ class VLMTrainConfig:
     lm_layers: int = 8
     lm_heads: int = 4
     lm_ffn: int = 384
-    lm_steps: int = 3000
+    lm_steps: int = 5000
     lm_batch: int = 32
     lm_lr: float = 2e-3
     lm_shape_weight: float = 1.0  # loss weight of shape-word targets in the LM stage
