@@ -138,7 +138,7 @@ def _ratio_ci(ratios: list[float]) -> list[float] | None:
     n = len(logs)
     mean = sum(logs) / n
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
-    half = _T90.get(n - 1, 1.645) * sd / math.sqrt(n)
+    half = _T90[min(n - 1, 10)] * sd / math.sqrt(n)  # beyond 10 df: t(10), slightly wide
     return [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
 
 
@@ -163,12 +163,12 @@ def format_row(row: dict) -> str:
     fixed = " ".join(f"{k}:{v:.0f}" for k, v in t.items() if k.startswith("K="))
     extra = f"  auto/assisted {row['auto_vs_assisted']:.2f}x" if "auto_vs_assisted" in row else ""
     spread = ""
-    if "auto_vs_plain_rounds" in row:  # per-round paired ratios: min-max over the rounds
-        p, f = row["auto_vs_plain_rounds"], row["auto_vs_best_fixed_rounds"]
-        spread = f" [rounds {f[0]:.2f}-{f[-1]:.2f}]", f" [rounds {p[0]:.2f}-{p[-1]:.2f}]"
     if row.get("auto_vs_plain_ci90"):  # 90% interval of the per-round ratio
         (fl, fh), (pl, ph) = row["auto_vs_best_fixed_ci90"], row["auto_vs_plain_ci90"]
         spread = f" [90% CI {fl:.2f}-{fh:.2f}]", f" [90% CI {pl:.2f}-{ph:.2f}]"
+    elif "auto_vs_plain_rounds" in row:  # rows of older reports: min-max of the per-round ratios
+        p, f = row["auto_vs_plain_rounds"], row["auto_vs_best_fixed_rounds"]
+        spread = f" [rounds {f[0]:.2f}-{f[-1]:.2f}]", f" [rounds {p[0]:.2f}-{p[-1]:.2f}]"
     fixed_spread, plain_spread = spread or ("", "")
     fast = ""
     if "fastest_round" in row:

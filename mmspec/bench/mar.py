@@ -324,9 +324,8 @@ def main(argv: list[str]) -> int:
 def demo_section(out_dir: str, model=BUNDLED_MAR, threads: int | None = 2, progress=lambda m: None) -> str:
     """The MAR section of `mmspec demo`: one timed round of plain vs CSpD sampling at batch 1 and
     4 (4 images per method: the section is the demo's longest; `mmspec bench mar` times batch 8
-    and more images) on the same labels and seeds, and a PNG with one row per method (plain, exact CSpD, relaxed
-    CSpD; same seeds) in
-    `out_dir`. Returns the text to print: a one-line skip notice when no MAR pair is bundled
+    and more images) on the same labels and seeds, and a PNG with one row per method (plain,
+    exact CSpD, relaxed CSpD; same seeds) in `out_dir`. Returns the text to print: a one-line skip notice when no MAR pair is bundled
     (checked before any model is loaded, so an absent pair costs nothing)."""
     if not is_mar_folder(model):
         return (f"(MAR section skipped: no bundled MAR pair at {model}; make one with "
