@@ -13,6 +13,10 @@ Model (per step, B active rows, K drafts per row):
   steps keep every row in step. A row needing r tokens takes ~ r / E[G] steps with sd
   sqrt(r Var[G] / E[G]^3) (G: tokens per step), and the last of B rows lags by ~ sqrt(2 ln B)
   of those sd (`finish_seconds`; within 8% of a simulated batch, tests/test_core_adaptive_batch.py).
+  Rows that are done leave the batch, so only a step's fixed part is paid until the last row
+  is done; its per-row part (the slope of the cost lines below) is paid for each row's own
+  steps. Charging whole steps until the last row is done made the tail look as expensive as
+  the start and kept a 69%-agreement pair plain at batch 8 where K = 1 ran 9% faster.
   At batch 1 the ranking is that of tokens per second; at batch 16 with weak drafts it is
   what keeps the loop plain where per-row throughput would still speculate (and lose).
 - `a_j` are running estimates with forgetting (recent steps weigh more), so speculation
@@ -36,9 +40,10 @@ Model (per step, B active rows, K drafts per row):
   the drafter catch up on every token since it last ran), while a change in acceptance is
   still found within a few `max_probe_every` steps. A probe also costs what it costs: when
   it changes nothing, the gap is at least long enough that probing takes at most
-  `probe_budget` (1%) of the time of plain steps, from the probe's measured extra seconds
-  over a step at the kept choice (at most `4 * max_probe_every` steps, so recovery stays bounded); at a
-  large batch a probe after a long plain stretch costs a few plain steps. The controller
+  `probe_budget` (1%) of the time of plain steps, from the probe's measured seconds less
+  what its emitted tokens would have cost at the kept choice (at most `4 * max_probe_every`
+  steps, so recovery stays bounded); at a large batch a probe after a long plain stretch
+  costs a few plain steps, while a probe that drafts where drafting pays costs nothing. The controller
   lives on the drafter, so the gaps carry over from one call to the next.
 - Steps whose drafting included one-off work (the drafter catching up after plain steps,
   or its deferred prompt prefill; the drafter reports it through `skip_draft_cost_once`)
@@ -148,6 +153,7 @@ class DraftLengthController:
         self.max_probe_every = max_probe_every
         self.probe_budget = float(probe_budget)
         self._probe_seconds: float | None = None  # what the last probe step took
+        self._probe_tokens = 0  # and the tokens it emitted
         self.probe_gap = probe_every  # steps from one probe to the next (grows while probes change nothing)
         self.next_probe = len(self.warmup) + probe_every if probe_every else None
         self.probes = 0
@@ -194,23 +200,46 @@ class DraftLengthController:
             square += (2 * i + 3) * run  # E[G^2] = sum_i (2i + 1) P(G > i)
         return mean, max(square - mean * mean, 0.0)
 
+    def per_row_seconds(self, batch: int, k: int, seconds: float | None = None) -> float:
+        """The part of a step's seconds at (batch, K) that each row adds (beta_K): the slopes of
+        the fitted cost lines (seconds per token processed) times the tokens a row processes,
+        K + 1 verified and K drafted; at most seconds(batch, K) / batch. The rest of the step,
+        seconds(batch, K) - batch * beta_K, is what a step costs whatever its rows (alpha_K)."""
+        s = self.seconds(batch, k) if seconds is None else seconds
+        if not s or s <= 0:
+            return 0.0
+        v, d = self.verify.line(), self.draft.line()
+        beta = (v[1] * (k + 1) if v else 0.0) + (d[1] * k if d and k else 0.0)
+        return min(max(beta, 0.0), s / batch)
+
     def finish_seconds(self, batch: int, k: int, remaining: list[int]) -> float | None:
         """Projected seconds until the batch's last row is done if every step drafted K.
         The batch ends with its slowest row: a row that needs r more tokens takes about
-        r / E[G] steps (renewal theory, sd sqrt(r Var[G] / E[G]^3)), and the last of B rows
-        lags the mean by about sqrt(2 ln B) of those sd (Gaussian maxima). At K = 0 every row
-        takes exactly r steps, and no K takes more (at least one token per step). At batch 1 the
-        ranking of K is exactly that of tokens per second."""
-        return self._finish_seconds(batch, k, max(remaining), self.acceptance())
+        r / E[G] steps (renewal theory, sd sqrt(r Var[G] / E[G]^3)), and the last of n rows
+        lags the mean by about sqrt(2 ln n) of those sd (Gaussian maxima; n counts the rows
+        within two sd, in tokens, of the slowest one: the others finish first). At K = 0 every row
+        takes exactly r steps, and no K takes more (at least one token per step). Rows that are
+        done leave the batch, so a step's fixed part (alpha_K) is paid until the last row is
+        done, its per-row part (beta_K, `per_row_seconds`) only for each row's own steps:
+        time = alpha_K * steps(slowest) + beta_K * sum_rows r_i / E[G]. At batch 1 the ranking of
+        K is exactly that of tokens per second."""
+        return self._finish_seconds(batch, k, remaining, self.acceptance())
 
-    def _finish_seconds(self, batch: int, k: int, r: int, rates: list[float]) -> float | None:
+    def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float]) -> float | None:
         s = self.seconds(batch, k)
         if s is None or s <= 0:
             return None
         mean, var = self.token_moments(k, rates)
-        spread = math.sqrt(2.0 * math.log(batch)) if batch > 1 else 0.0
-        steps = r / mean + spread * math.sqrt(r * var / mean ** 3)
-        return s * min(steps, r)
+        r = max(remaining)
+        # The rows that can still finish last: those within two sd (in tokens) of the slowest.
+        reach = 2.0 * math.sqrt(r / mean * var)
+        rivals = sum(1 for x in remaining if x >= r - reach)
+        spread = math.sqrt(2.0 * math.log(rivals)) if rivals > 1 else 0.0
+        steps = min(r / mean + spread * math.sqrt(r * var / mean ** 3), r)
+        if batch == 1:
+            return s * steps
+        beta = self.per_row_seconds(batch, k, s)
+        return (s - batch * beta) * steps + beta * sum(remaining) / mean
 
     # ---- the decision ---------------------------------------------------------------------------
     def choose(self, batch: int, remaining: list[int] | None = None) -> int:
@@ -230,8 +259,10 @@ class DraftLengthController:
                 self.probe_gap = self.probe_every if changed else min(2 * self.probe_gap, self.max_probe_every)
                 plain, base = self.seconds(batch, 0), self.seconds(batch, k)
                 if not changed and plain and base is not None and self._probe_seconds is not None:
-                    # What the probe cost over a step at the kept choice (for K = 0: a plain step).
-                    extra = max(self._probe_seconds - base, 0.0)
+                    # What the probe cost over the kept choice for the tokens it emitted (a
+                    # probe that drafts also emits more: at K = 0, a plain step per token).
+                    per_token = base / (batch * self.expected_tokens(k))
+                    extra = max(self._probe_seconds - self._probe_tokens * per_token, 0.0)
                     need = math.ceil(extra / (self.probe_budget * plain))
                     self.probe_gap = max(self.probe_gap, min(need, 4 * self.max_probe_every))
                 self.next_probe = self.steps - 1 + self.probe_gap  # counted from the probe
@@ -252,8 +283,8 @@ class DraftLengthController:
     def _best(self, batch: int, remaining: list[int] | None = None) -> int:
         if remaining:
             # Rate = inverse projected time (only the ranking matters).
-            r, acc = max(remaining), self.acceptance()  # once per step, not once per K
-            times = {k: self._finish_seconds(batch, k, r, acc) for k in range(self.k_max + 1)}
+            acc = self.acceptance()  # once per step, not once per K
+            times = {k: self._finish_seconds(batch, k, remaining, acc) for k in range(self.k_max + 1)}
             rates = {k: None if t is None else 1.0 / t for k, t in times.items()}
         else:
             rates = {k: self.rate(batch, k) for k in range(self.k_max + 1)}
@@ -272,6 +303,7 @@ class DraftLengthController:
         """Learn from a finished step: per-row accepted drafts (by the rule, before any EOS cut)."""
         if self._probe_base is not None:
             self._probe_seconds = draft_seconds + verify_seconds
+            self._probe_tokens = batch + sum(min(n, k) for n in accepted)
         d = self.decay
         for i in range(k):
             tried = sum(1 for n in accepted if n >= i)  # rows that reached draft i

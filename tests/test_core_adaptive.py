@@ -102,6 +102,21 @@ def test_expensive_probes_are_spaced_to_the_probe_budget():
     assert max(b - a for a, b in zip(steps, steps[1:])) == 64
 
 
+def test_a_probe_is_charged_net_of_the_tokens_it_emits():
+    """Batch 8, a margin so large that K = 1 is never chosen although it pays per token: each
+    K = 1 probe costs 2x a plain step (0.020 s of verify + 0.012 s of drafting vs 0.016 s) and
+    emits 1.9 tokens a row. Charged net of its tokens it costs nothing, so the gaps stay within
+    max_probe_every; charged as its whole extra time (the planted bug: 1 plain step a probe at
+    a 1% budget = 100 steps) they would grow past it."""
+    ctrl = DraftLengthController(4, warmup=(), probe_every=16, max_probe_every=64, min_gain=0.9)
+    feed(ctrl, 8, 800, 0.9, lambda b, q: 0.010 + 0.0006 * b * q, 0.0015)
+    probes = [i for i, k in enumerate(ctrl.history) if k > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert max(gaps) == 64, gaps
+    plain, probe = 0.010 + 0.0006 * 8, 0.010 + 0.0006 * 16 + 0.0015 * 8
+    assert probe > 1.9 * plain and (probe - plain) / (0.01 * plain) > 64  # the bug would space them wider
+
+
 def test_one_off_drafting_work_is_not_learnt_as_the_drafting_cost():
     ctrl = DraftLengthController(4, warmup=(2,), probe_every=0)
     ctrl.choose(1)

@@ -7,6 +7,7 @@ the loop (what it passes, greedy output unchanged)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -72,6 +73,48 @@ def test_projected_finish_time_matches_a_simulated_batch(batch, k, a):
     # slowest row; at 16 rows with weak drafts that is > 10% too optimistic.
     if batch == 16 and a < 0.5:
         assert r / ctrl.token_moments(k)[0] < 0.9 * simulated
+
+
+def simulated_seconds(remaining: list[int], k: int, a: float, fixed: float, per_token: float, runs: int, seed: int) -> float:
+    """Mean seconds until every row is done when a step costs `fixed + per_token * (k + 1) *
+    active rows` (rows that are done leave the batch), rows as in `simulated_steps`."""
+    rng = random.Random(seed)
+    total = 0.0
+    for _ in range(runs):
+        left = list(remaining)
+        while max(left) > 0:
+            active = [i for i in range(len(left)) if left[i] > 0]
+            total += fixed + per_token * (k + 1) * len(active)
+            for i in active:
+                g = 1
+                while g <= k and rng.random() < a:
+                    g += 1
+                left[i] -= g
+    return total / runs
+
+
+@pytest.mark.parametrize("remaining,k,a,bug", [([48] * 8, 1, 0.75, 1.03), ([48] * 8, 3, 0.75, 1.10),
+                                               ([48] * 16, 2, 0.5, 1.10), ([40, 31, 22, 9], 2, 0.7, 1.25)])
+def test_projection_charges_per_row_costs_only_while_a_row_is_active(remaining, k, a, bug):
+    """Steps cost a fixed part plus a part per active row (the cost lines' slope); rows that are
+    done leave the batch. The projection must match a simulated batch of exactly that cost
+    within 8%. The planted bug, session 11's projection (whole steps until the slowest row is
+    done, every row as far behind as the slowest), is too pessimistic by more than `bug` - 1:
+    that is what kept a 69% pair plain at batch 8 where K = 1 was 9% faster."""
+    fixed, per_token = 0.040, 0.0025  # seconds; a 8-row 2-token verify: 0.080 s, half of it per row
+    ctrl = fixed_rate_controller(8, a)
+    for b in (1, 4, 8, 16):  # the fitted verify line: exactly fixed + per_token * tokens
+        for q in (1, 2, 3, 4):
+            ctrl.observe(b, q - 1, [0] * b, 0.0, fixed + per_token * b * q)
+    batch = len(remaining)
+    assert abs(ctrl.per_row_seconds(batch, k) - per_token * (k + 1)) < 1e-9
+    projected = ctrl.finish_seconds(batch, k, remaining)
+    simulated = simulated_seconds(remaining, k, a, fixed, per_token, runs=300, seed=sum(remaining) + k)
+    assert abs(projected / simulated - 1.0) < 0.08, (projected, simulated)
+    mean, var = ctrl.token_moments(k)
+    r = max(remaining)
+    steps = min(r / mean + math.sqrt(2 * math.log(batch)) * math.sqrt(r * var / mean ** 3), r)
+    assert ctrl.seconds(batch, k) * steps > bug * simulated  # the planted bug
 
 
 def test_batch_objective_keeps_a_weak_pair_plain_at_a_large_batch():
