@@ -40,7 +40,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from diffusers import DiffusionPipeline, ModelMixin
-from diffusers.utils import BaseOutput
+from diffusers.utils import BaseOutput, is_accelerate_available
 
 import mmspec
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
@@ -49,6 +49,8 @@ from mmspec.models.llamagen_sample import CFG_SCHEDULES
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
 from mmspec.stats import SpecStats
+
+_HAS_ACCELERATE = is_accelerate_available()
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +243,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError(f"{path} holds a {name} pipeline, not a {cls.__name__}")
         for component in ("target", "vq"):
             _check_component_class(path / component, component)
+        if not _HAS_ACCELERATE:  # diffusers would fall back to this itself, with a warning per component
+            kwargs.setdefault("low_cpu_mem_usage", False)
         pipe = super().from_pretrained(str(path), **kwargs)
         pipe.check_components()
         return pipe
@@ -254,6 +258,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                              "(target/ and vq/ folders)")
         _check_component_class(path / "target", "target")
         load = {} if dtype is None else {"dtype": dtype}
+        if not _HAS_ACCELERATE:
+            load["low_cpu_mem_usage"] = False
         target = LlamaGenGPT.from_pretrained(str(path / "target"), **load).eval()
         vq = LlamaGenVQModel.from_pretrained(str(path / "vq"), **load).eval()
         drafter = None

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline
-from diffusers.utils import BaseOutput
+from diffusers.utils import BaseOutput, is_accelerate_available
 
 from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
 from mmspec.models.mar import MARModel, mar_schedule
@@ -167,6 +167,8 @@ def _load_component(root: str, name: str, loader, entry, torch_dtype):
         raise ValueError(f"{name}: {folder!r} must hold a {loader.__name__} (model_index.json says {declared!r}, "
                          f"its config.json says {found!r}); a checkpoint of another architecture cannot be used")
     kw = {} if torch_dtype is None else {"torch_dtype": torch_dtype}
+    if not is_accelerate_available():  # diffusers would fall back to this itself, warning each time
+        kw["low_cpu_mem_usage"] = False
     model, info = loader.from_pretrained(folder, output_loading_info=True, **kw)
     bad = {k: sorted(map(str, info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(bad.values()):

@@ -51,7 +51,9 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
             raise TypeError(f"from_vq needs a LlamaGenVQ, got {type(vq).__name__}")
         model = cls(**vq.config.to_dict())
         model.vq = vq
-        return model.to(next(vq.parameters()).dtype)
+        # nn.Module.to: diffusers' ModelMixin.to warns about fp32 modules on every dtype cast
+        # (this model keeps none in float32).
+        return torch.nn.Module.to(model, next(vq.parameters()).dtype)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -63,7 +65,7 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
             if "_class_name" not in config:  # a LlamaGenVQ folder (config.json in VQConfig fields)
                 model = cls.from_vq(LlamaGenVQ.from_pretrained(folder))
                 dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-                return (model.to(dtype) if dtype is not None else model).eval()
+                return (torch.nn.Module.to(model, dtype) if dtype is not None else model).eval()
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @property
