@@ -87,8 +87,10 @@ def test_bench_core_fastest_round_figures(tmp_path):
     assert len(secs["auto"]) == 2
     want = min(secs["plain"]) / min(secs["auto"])
     assert abs(fr["auto_vs_plain"] - want) < 5e-3 * want + 1e-3
-    best = min((n for n in secs if n.startswith("K=")), key=lambda n: min(secs[n]))
-    assert fr["best_fixed"] == best
+    # The fastest fixed K: the JSON's seconds are rounded to 0.1 ms, so a near-tie may read
+    # either way; the pick must be within that rounding of the fastest.
+    best = min(min(secs[n]) for n in secs if n.startswith("K="))
+    assert fr["best_fixed"].startswith("K=") and min(secs[fr["best_fixed"]]) <= best + 1e-4
     lo, hi = row["auto_vs_plain_ci90"]
     assert lo <= hi and lo <= max(row["auto_vs_plain_rounds"]) and hi >= min(row["auto_vs_plain_rounds"])
 
