@@ -50,8 +50,6 @@ from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
 from mmspec.stats import SpecStats
 
-_HAS_ACCELERATE = is_accelerate_available()
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAFTER_CONFIG = {"kind": "model", "num_draft_tokens": 4, "tree": None, "window": 16,
@@ -243,7 +241,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError(f"{path} holds a {name} pipeline, not a {cls.__name__}")
         for component in ("target", "vq"):
             _check_component_class(path / component, component)
-        if not _HAS_ACCELERATE:  # diffusers would fall back to this itself, with a warning per component
+        if not is_accelerate_available():  # diffusers would fall back to this itself, warning each time
             kwargs.setdefault("low_cpu_mem_usage", False)
         pipe = super().from_pretrained(str(path), **kwargs)
         pipe.check_components()
@@ -258,7 +256,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                              "(target/ and vq/ folders)")
         _check_component_class(path / "target", "target")
         load = {} if dtype is None else {"dtype": dtype}
-        if not _HAS_ACCELERATE:
+        if not is_accelerate_available():
             load["low_cpu_mem_usage"] = False
         target = LlamaGenGPT.from_pretrained(str(path / "target"), **load).eval()
         vq = LlamaGenVQModel.from_pretrained(str(path / "vq"), **load).eval()
