@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mmspec.models.hf_cache import RaggedCache
+from mmspec.models.hf_direct import DirectDecoder, direct_supported
 from mmspec.ragged import Attention, RaggedKV
 from mmspec.spec import ForwardSpec, SpecOutput
 from mmspec.types import FeatureRequest
@@ -62,6 +63,9 @@ class HFSpec(ForwardSpec):
         self._windows = _window_plan(config, source)
         self._prefill_inputs: dict[str, Any] = {}
         self._cache: RaggedCache | None = None
+        # Step forwards of whitelisted decoder-only families skip the model-level wrappers
+        # (mmspec/models/hf_direct.py); None: always the model's own forward.
+        self._direct = DirectDecoder(source) if direct_supported(source) else None
 
     # ---- pieces shared with drafters -----------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -108,7 +112,17 @@ class HFSpec(ForwardSpec):
         # Everything visible and no sliding window: the model's own (mask-free) attention path.
         mask = None if attention.full and self._windows is None else self._additive(attention)
         positions = self.positions(attention.q_pos)
-        return self._run(tokens, mask, positions, kv, features, keep=1 if last_only else 0, model_inputs={})
+        keep = 1 if last_only else 0
+        direct = self._direct
+        if direct is not None and not features.image_features and type(kv) is RaggedKV and direct.usable(self.model):
+            if self._cache is None or self._cache.store is not kv:
+                self._cache = RaggedCache(kv)
+            logits, hidden, layers = direct.forward(
+                self.model, tokens, mask, positions, self._cache, keep=keep, last_hidden=features.last_hidden,
+                hidden_layers=tuple(features.hidden_layers))
+            return SpecOutput(logits=logits, hidden=hidden, layers=layers, image_features=None,
+                              positions=positions if features.positions else None)
+        return self._run(tokens, mask, positions, kv, features, keep=keep, model_inputs={})
 
     def prefill_positions(self, attention: Attention) -> torch.Tensor:
         """Model positions of the prompt (M-RoPE specs compute them from the image grids)."""
