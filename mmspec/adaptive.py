@@ -19,8 +19,11 @@ Model (per step, B active rows, K drafts per row):
   the start and kept a 69%-agreement pair plain at batch 8 where K = 1 ran 9% faster.
   At batch 1 the ranking is that of tokens per second; at batch 16 with weak drafts it is
   what keeps the loop plain where per-row throughput would still speculate (and lose).
-- `a_j` are running estimates with forgetting (recent steps weigh more), so speculation
-  switches itself off when acceptance drops and back on when it recovers. Positions never
+- `a_j` are running estimates with forgetting (recent outcomes weigh more), so speculation
+  switches itself off when acceptance drops and back on when it recovers. They forget per draft
+  outcome (a memory of `memory` = 32 outcomes per position) and at most by `decay` per step:
+  per-step forgetting alone remembered ~10 outcomes at batch 1, too few to tell a 30% first-draft
+  acceptance (where K = 2 paid 14% on one CPU) from 10% (where it does not). Positions never
   tried borrow the pooled rate of the tried ones (a geometric tail).
 - `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
   (an observation above 1.5x its key's mean counts as 1.5x: interference only slows steps down),
@@ -33,7 +36,8 @@ Model (per step, B active rows, K drafts per row):
   the equal-length fast path and the batch thins out unevenly), and near-ties are where
   estimation noise decides; the margin keeps those steps plain.
 - Exploration is deterministic: a short warm-up over a few K values, then probes of the
-  neighbour of the current choice, so the estimates stay fresh. The first probe comes
+  neighbour of the current choice (from plain decoding: the best K > 0 by the estimates, as
+  K = 1 can lose where K = 2 wins), so the estimates stay fresh. The first probe comes
   `probe_every` steps after the warm-up; a probe after which the choice stays what it was
   doubles the gap to the next one (up to `max_probe_every`), a probe that changes it resets
   the gap. A pair whose speculation never pays thus stops paying for probes (each one makes
@@ -125,6 +129,7 @@ class DraftLengthController:
         prior_acceptance: float = 0.7,
         prior_weight: float = 2.0,
         decay: float = 0.9,
+        memory: int = 32,
         warmup: tuple[int, ...] | None = None,
         probe_every: int = 16,
         max_probe_every: int = 64,
@@ -135,6 +140,9 @@ class DraftLengthController:
             raise ValueError(f"k_max must be an int >= 0, got {k_max!r}")
         self.k_max = k_max
         self.decay = decay
+        if not isinstance(memory, int) or memory < 2:
+            raise ValueError(f"memory must be an int >= 2 (draft outcomes remembered per position), got {memory!r}")
+        self.memory = memory
         # Conditional acceptance per position, as discounted counts (accepted, tried).
         self.acc = [prior_acceptance * prior_weight] * k_max
         self.tried = [prior_weight] * k_max
@@ -268,26 +276,38 @@ class DraftLengthController:
                 self.next_probe = self.steps - 1 + self.probe_gap  # counted from the probe
                 self._probe_base = None
             if self.next_probe is not None and self.steps >= self.next_probe:
-                # Keep the neighbours' estimates fresh: alternate above / below the choice.
+                # Keep the neighbours' estimates fresh: alternate above / below the choice. From
+                # plain decoding, probe the best draft length by the estimates (K = 1 may lose
+                # where K = 2 wins: at batch 1 a 3-token verify can cost what a 1-token one does).
                 step = 1 if self.probes % 2 else -1
                 self.probes += 1
                 self._probe_base = k
-                k = min(max(k + step, 0), self.k_max)
-                if k == self._probe_base:  # at an end of 0..k_max: try the other side
-                    k = min(max(k - step, 0), self.k_max)
+                if k == 0:
+                    k = self._best_drafting(batch, remaining)
+                else:
+                    k = min(max(k + step, 0), self.k_max)
+                    if k == self._probe_base:  # at an end of 0..k_max: try the other side
+                        k = min(max(k - step, 0), self.k_max)
         self.last_choice = k
         self.history.append(k)
         self.steps += 1
         return k
 
-    def _best(self, batch: int, remaining: list[int] | None = None) -> int:
+    def _best_drafting(self, batch: int, remaining: list[int] | None) -> int:
+        """The K > 0 the estimates rank first (1 when nothing is known yet)."""
+        rates = {k: r for k, r in self._rates(batch, remaining).items() if k > 0 and r is not None}
+        return max(rates, key=rates.get) if rates else 1
+
+    def _rates(self, batch: int, remaining: list[int] | None) -> dict[int, float | None]:
         if remaining:
             # Rate = inverse projected time (only the ranking matters).
             acc = self.acceptance()  # once per step, not once per K
             times = {k: self._finish_seconds(batch, k, remaining, acc) for k in range(self.k_max + 1)}
-            rates = {k: None if t is None else 1.0 / t for k, t in times.items()}
-        else:
-            rates = {k: self.rate(batch, k) for k in range(self.k_max + 1)}
+            return {k: None if t is None else 1.0 / t for k, t in times.items()}
+        return {k: self.rate(batch, k) for k in range(self.k_max + 1)}
+
+    def _best(self, batch: int, remaining: list[int] | None = None) -> int:
+        rates = self._rates(batch, remaining)
         known = {k: r for k, r in rates.items() if r is not None}
         k = max(known, key=known.get) if known else self.last_choice
         if k > 0 and known.get(0) is not None and known[k] < (1.0 + self.min_gain) * known[0]:
@@ -304,16 +324,22 @@ class DraftLengthController:
         if self._probe_base is not None:
             self._probe_seconds = draft_seconds + verify_seconds
             self._probe_tokens = batch + sum(min(n, k) for n in accepted)
-        d = self.decay
+        # Acceptance forgets per draft outcome, and at most by `decay` per step: a position
+        # remembers about `memory` outcomes at small batches (decay 0.9 per step alone was ~10
+        # outcomes at batch 1, too few to tell a 28% first-draft acceptance from 10%) and
+        # about 1 / (1 - decay) steps at large ones.
+        rate = 1.0 - 1.0 / self.memory
         for i in range(k):
             tried = sum(1 for n in accepted if n >= i)  # rows that reached draft i
             ok = sum(1 for n in accepted if n > i)
             if tried:
+                d = max(rate ** tried, self.decay)
                 self.acc[i] = d * self.acc[i] + ok
                 self.tried[i] = d * self.tried[i] + tried
         if k > 0:
             # Untried positions drift toward the pooled rate of the tried ones.
             pooled = sum(self.acc[:k]) / max(sum(self.tried[:k]), 1e-9)
+            d = max(rate ** batch, self.decay)
             for i in range(k, self.k_max):
                 self.acc[i] = d * self.acc[i] + (1 - d) * pooled * self.tried[i]
         self.verify.observe((batch, k + 1), batch * (k + 1), verify_seconds)
