@@ -27,7 +27,10 @@ def test_bench_core_smoke(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["identical_to_plain"] and {"plain", "auto", "K=1", "K=2"} <= set(r["tokens_per_s"])
+        assert r["identical_to_plain"] and {"plain", "mmspec plain", "auto", "K=1", "K=2"} <= set(r["tokens_per_s"])
+        t = r["tokens_per_s"]  # mmspec's own plain decoding, beside generate's, separates loop and controller
+        assert abs(r["auto_vs_mmspec_plain"] - t["auto"] / t["mmspec plain"]) < 0.01 * r["auto_vs_mmspec_plain"]
+        assert abs(r["mmspec_plain_vs_plain"] - t["mmspec plain"] / t["plain"]) < 0.01 * r["mmspec_plain_vs_plain"]
         assert sum(r["auto_k_histogram"].values()) > 0
         # One paired ratio per timed round (the smoke run times one), consistent with the medians.
         assert len(r["auto_vs_plain_rounds"]) == 1 and len(r["auto_vs_best_fixed_rounds"]) == 1

@@ -45,7 +45,7 @@ class DraftLengthBench:
 
 def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
     import mmspec
-    from mmspec.drafters import ModelDrafter
+    from mmspec.drafters import ModelDrafter, NullDrafter
     from mmspec.models.hf_target import HFTarget
     from mmspec.models.prepack import maybe_packed
 
@@ -69,6 +69,11 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             ids, mask = _prompts(B, (12, 32), pc.vocab_size, seed=B)
             gen = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
             methods = {"plain": lambda: gen_model.generate(**gen)}
+            # mmspec's own plain decoding (no drafter) through the same target: what `auto` does
+            # when it switches speculation off, so that the loop's cost and the controller's
+            # choices can be told apart.
+            methods["mmspec plain"] = lambda: mmspec.speculative_generate(
+                t_wrap, NullDrafter(pc.vocab_size), ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
             drafters = {f"K={k}": ModelDrafter(drafter, k) for k in config.fixed_k}
             drafters["auto"] = ModelDrafter(drafter, "auto", max_draft_tokens=config.k_max)
             for name, d in drafters.items():
@@ -90,7 +95,10 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 "auto_vs_plain": round(tps["auto"] / tps["plain"], 3),
                 "auto_k_histogram": _histogram(auto_stats.nodes_per_step),
                 "auto_mean_accepted_length": round(auto_stats.mean_accepted_length, 3),
-                "identical_to_plain": all(torch.equal(outs[n].sequences, ref) for n in drafters),
+                "identical_to_plain": all(torch.equal(outs[n].sequences, ref) for n in [*drafters, "mmspec plain"]),
+                "mmspec_plain_vs_plain": round(tps["mmspec plain"] / tps["plain"], 3),
+                "auto_vs_mmspec_plain": round(tps["auto"] / tps["mmspec plain"], 3),
+                "auto_vs_mmspec_plain_rounds": _paired(rounds, "auto", "mmspec plain"),
                 # Paired per-round ratios (the methods of a round ran back to back, so a drift of
                 # the machine cancels): their spread says how far one row can be trusted.
                 "auto_vs_plain_rounds": _paired(rounds, "auto", "plain"),
@@ -99,6 +107,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             }
             row["auto_vs_plain_ci90"] = _ratio_ci(row["auto_vs_plain_rounds"])
             row["auto_vs_best_fixed_ci90"] = _ratio_ci(row["auto_vs_best_fixed_rounds"])
+            row["auto_vs_mmspec_plain_ci90"] = _ratio_ci(row["auto_vs_mmspec_plain_rounds"])
             # The fastest of each method's rounds: what interference from the rest of the machine
             # (which only ever slows a run down) left untouched; a second, less noisy reading.
             fast = {name: B * N / min(v) for name, v in rounds.items()}
@@ -175,9 +184,14 @@ def format_row(row: dict) -> str:
         fr = row["fastest_round"]
         fast = (f"  fastest rounds: auto/best fixed ({fr['best_fixed']}) {fr['auto_vs_best_fixed']:.2f}x, "
                 f"auto/plain {fr['auto_vs_plain']:.2f}x")
+    own = ""
+    if "auto_vs_mmspec_plain" in row:  # rows of older reports have no mmspec plain decoding
+        ci = row.get("auto_vs_mmspec_plain_ci90")
+        own = (f"  auto/mmspec plain {row['auto_vs_mmspec_plain']:.2f}x" + (f" [90% CI {ci[0]:.2f}-{ci[1]:.2f}]" if ci else "")
+               + f"  mmspec plain/plain {row['mmspec_plain_vs_plain']:.2f}x")
     return (f"{row['pair']:>6} B={row['batch']:<2} plain {t['plain']:.0f}  {fixed}  auto {t['auto']:.0f} tok/s | "
             f"auto/best fixed ({row['best_fixed']}) {row['auto_vs_best_fixed']:.2f}x{fixed_spread}  auto/plain "
-            f"{row['auto_vs_plain']:.2f}x{plain_spread}{extra}{fast}  same={'yes' if row['identical_to_plain'] else 'NO'}")
+            f"{row['auto_vs_plain']:.2f}x{plain_spread}{own}{extra}{fast}  same={'yes' if row['identical_to_plain'] else 'NO'}")
 
 
 def format_table(report: dict) -> str:
