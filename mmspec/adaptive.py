@@ -261,7 +261,8 @@ class DraftLengthController:
         elif self.steps < len(self.warmup):
             k = self.warmup[self.steps]
         else:
-            k = self._best(batch, remaining)
+            rates = self._rates(batch, remaining)
+            k = self._best(rates)
             if self._probe_base is not None:  # the step after a probe: did it change the choice?
                 changed = k != self._probe_base
                 self.probe_gap = self.probe_every if changed else min(2 * self.probe_gap, self.max_probe_every)
@@ -283,7 +284,7 @@ class DraftLengthController:
                 self.probes += 1
                 self._probe_base = k
                 if k == 0:
-                    k = self._best_drafting(batch, remaining)
+                    k = self._best_drafting(rates)
                 else:
                     k = min(max(k + step, 0), self.k_max)
                     if k == self._probe_base:  # at an end of 0..k_max: try the other side
@@ -293,10 +294,11 @@ class DraftLengthController:
         self.steps += 1
         return k
 
-    def _best_drafting(self, batch: int, remaining: list[int] | None) -> int:
-        """The K > 0 the estimates rank first (1 when nothing is known yet)."""
-        rates = {k: r for k, r in self._rates(batch, remaining).items() if k > 0 and r is not None}
-        return max(rates, key=rates.get) if rates else 1
+    @staticmethod
+    def _best_drafting(rates: dict[int, float | None]) -> int:
+        """The K > 0 the estimates (`_rates`) rank first (1 when nothing is known yet)."""
+        known = {k: r for k, r in rates.items() if k > 0 and r is not None}
+        return max(known, key=known.get) if known else 1
 
     def _rates(self, batch: int, remaining: list[int] | None) -> dict[int, float | None]:
         if remaining:
@@ -306,8 +308,7 @@ class DraftLengthController:
             return {k: None if t is None else 1.0 / t for k, t in times.items()}
         return {k: self.rate(batch, k) for k in range(self.k_max + 1)}
 
-    def _best(self, batch: int, remaining: list[int] | None = None) -> int:
-        rates = self._rates(batch, remaining)
+    def _best(self, rates: dict[int, float | None]) -> int:
         known = {k: r for k, r in rates.items() if r is not None}
         k = max(known, key=known.get) if known else self.last_choice
         if k > 0 and known.get(0) is not None and known[k] < (1.0 + self.min_gain) * known[0]:

@@ -45,6 +45,13 @@ def direct_supported(model) -> bool:
     return all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and hasattr(model, "lm_head")
 
 
+def check_layer_range(hidden_layers, num_layers: int) -> None:
+    """Feature layers are decoder-layer indices in [-num_layers, num_layers)."""
+    for i in hidden_layers:
+        if not -num_layers <= i < num_layers:
+            raise ValueError(f"hidden layer {i} out of range for a {num_layers}-layer model")
+
+
 def _hooked(module: torch.nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
@@ -69,9 +76,7 @@ class DirectDecoder:
                 hidden_layers: tuple[int, ...]):
         """Returns (logits, final hidden or None, {layer: output}). `mask`: None, a 4-D additive
         mask, or {attention type: mask} (as `HFSpec._additive` builds them)."""
-        for i in hidden_layers:
-            if not -self.num_layers <= i < self.num_layers:
-                raise ValueError(f"hidden layer {i} out of range for a {self.num_layers}-layer model")
+        check_layer_range(hidden_layers, self.num_layers)
         base = run.model
         hidden = base.embed_tokens(tokens)
         position_embeddings = base.rotary_emb(hidden, position_ids=positions)

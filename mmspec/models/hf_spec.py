@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mmspec.models.hf_cache import RaggedCache
-from mmspec.models.hf_direct import DirectDecoder, direct_supported
+from mmspec.models.hf_direct import DirectDecoder, check_layer_range, direct_supported
 from mmspec.ragged import Attention, RaggedKV
 from mmspec.spec import ForwardSpec, SpecOutput
 from mmspec.types import FeatureRequest
@@ -115,10 +115,8 @@ class HFSpec(ForwardSpec):
         keep = 1 if last_only else 0
         direct = self._direct
         if direct is not None and not features.image_features and type(kv) is RaggedKV and direct.usable(self.model):
-            if self._cache is None or self._cache.store is not kv:
-                self._cache = RaggedCache(kv)
             logits, hidden, layers = direct.forward(
-                self.model, tokens, mask, positions, self._cache, keep=keep, last_hidden=features.last_hidden,
+                self.model, tokens, mask, positions, self._cache_for(kv), keep=keep, last_hidden=features.last_hidden,
                 hidden_layers=tuple(features.hidden_layers))
             return SpecOutput(logits=logits, hidden=hidden, layers=layers, image_features=None,
                               positions=positions if features.positions else None)
@@ -148,9 +146,14 @@ class HFSpec(ForwardSpec):
             return {kind: additive(w) for kind, w in self._windows.items()}
         return additive(self._windows)
 
-    def _run(self, input_ids, mask, positions, kv, features: FeatureRequest, *, keep, model_inputs) -> SpecOutput:
+    def _cache_for(self, kv: RaggedKV) -> RaggedCache:
+        """transformers' view of the store (one per store, kept across forwards)."""
         if self._cache is None or self._cache.store is not kv:
             self._cache = RaggedCache(kv)
+        return self._cache
+
+    def _run(self, input_ids, mask, positions, kv, features: FeatureRequest, *, keep, model_inputs) -> SpecOutput:
+        cache = self._cache_for(kv)
         captured: dict[Any, torch.Tensor] = {}
         handles = self._hooks(features, captured) if not features.empty else []
         try:
@@ -158,7 +161,7 @@ class HFSpec(ForwardSpec):
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=self._cache,
+                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=keep,
                 **model_inputs,
@@ -199,12 +202,11 @@ class HFSpec(ForwardSpec):
 
                 handles.append(image_module.register_forward_hook(image_hook))
         if features.hidden_layers:
+            check_layer_range(features.hidden_layers, self.num_layers)
             layers = _decoder_layers(self.model, self.num_layers)
             if layers is None:
                 raise ValueError(f"cannot find the decoder layers of {type(self.model).__name__} to read hidden_layers")
             for i in features.hidden_layers:
-                if not -self.num_layers <= i < self.num_layers:
-                    raise ValueError(f"hidden layer {i} out of range for a {self.num_layers}-layer model")
 
                 def layer_hook(module, args, output, i=i):
                     captured[i] = output[0] if isinstance(output, tuple) else output
