@@ -128,10 +128,18 @@ class ViSpecDrafter(EagleHeadDrafter):
         self.global_vec: torch.Tensor | None = None  # [B, H]
 
     def _set_state(self, state):
+        # img_fc(concat(h, g)) = W_h h + (W_g g + b): the second term is fixed for a request, so
+        # drafting steps compute it once (the same value as `ViSpecHead.fuse` up to rounding).
         self.global_vec = state
+        H = self.head.config.hidden_size
+        weight = self.head.img_fc.weight
+        self._img_h = weight[:, :H].contiguous()
+        self._img_g = F.linear(state.to(weight.dtype), weight[:, H:], self.head.img_fc.bias).unsqueeze(1)  # [B, 1, H]
 
     def _select_state(self, rows):
         self.global_vec = self.global_vec.index_select(0, rows)
+        self._img_g = self._img_g.index_select(0, rows)
 
     def _fuse(self, embeds, hidden):
-        return self.head.fuse(embeds, hidden, self.global_vec.unsqueeze(1))
+        fused = F.linear(hidden.to(embeds.dtype), self._img_h) + self._img_g
+        return self.head.fc(torch.cat([embeds, fused], -1))

@@ -136,6 +136,8 @@ class RaggedKV:
         depth: torch.Tensor,  # [B, Q] logical offset of each new token from `next_pos`
         tree_visible: torch.Tensor,  # [B, Q, T+Q] bool over the uncommitted region
         uncommitted: int,  # T: tokens already in the uncommitted region (host int)
+        *,
+        sees_region: bool = False,  # host fact from the caller: every new token sees the whole region
     ) -> Attention:
         B, Q = depth.shape
         device = depth.device
@@ -145,8 +147,10 @@ class RaggedKV:
         self.ensure_capacity(kv_len)
         equal = bool(self.length_host) and min(self.length_host) == max_len
         self.write_slice = (max_len + T, max_len + T + Q) if equal else None
-        if self.unpadded and T == 0 and Q == 1 and equal:
-            # Plain decoding step of equal-length unpadded rows: everything is visible.
+        if self.unpadded and Q == 1 and equal and (T == 0 or sees_region):
+            # One new token per row over equal-length unpadded rows that sees the whole
+            # uncommitted region (a plain decoding step, or a chain drafter's next token):
+            # everything is visible.
             self.write_rows = torch.arange(B, device=device).unsqueeze(1)
             self.write_slots = self.length.unsqueeze(1)
             q_pos = self.next_pos.unsqueeze(1) + depth

@@ -394,3 +394,41 @@ def test_rope_table_equals_direct_angles():
         assert cos.dtype == dtype and torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
     with pytest.raises(ValueError, match="RoPE positions must be >= 0"):
         att._rope(torch.tensor([[3, -1]]), torch.float64)
+
+
+def test_inference_layer_equals_module_forward_and_follows_weight_updates():
+    """`HeadLayer.infer` (no-grad drafting: stacked q/k/v and gate/up weights, functional ops)
+    computes what the modules compute (float64, GQA, a mask and a KV cache), and an in-place
+    weight update (an optimiser step between calls) reaches it."""
+    from mmspec.drafters.eagle_head import HeadLayer
+    from mmspec.ragged import RaggedKV
+
+    torch.manual_seed(0)
+    cfg = EagleHeadConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=10)
+    layer = HeadLayer(cfg).double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]])
+    visible = torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 5, 5).clone()
+    visible[1, :, 0] = False
+    visible[1, 0, 0] = True
+
+    def both():
+        outs = []
+        for infer in (False, True):
+            kv = RaggedKV(1, torch.ones(2, 5, dtype=torch.long), 16)
+            attention = kv.plan_prefill(torch.ones(2, 5, dtype=torch.long))
+            assert attention.is_prefill
+            with torch.set_grad_enabled(not infer):
+                out = layer.infer(x, positions, visible, kv) if infer else layer(x, positions, visible, kv)
+            outs.append(out.detach())
+        return outs
+
+    ref, got = both()
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        layer.self_attn.k_proj.weight.mul_(2.0)
+        layer.mlp["up_proj"].weight.add_(0.1)
+    ref2, got2 = both()
+    torch.testing.assert_close(got2, ref2, rtol=1e-12, atol=1e-12)
+    assert (ref2 - ref).abs().max() > 1e-3  # the update changed the output, and infer followed it

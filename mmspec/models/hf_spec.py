@@ -63,16 +63,25 @@ class HFSpec(ForwardSpec):
         self._windows = _window_plan(config, source)
         self._prefill_inputs: dict[str, Any] = {}
         self._cache: RaggedCache | None = None
+        self._io = None  # (model, input embedding, output embedding), see `_io_modules`
         # Step forwards of whitelisted decoder-only families skip the model-level wrappers
         # (mmspec/models/hf_direct.py); None: always the model's own forward.
         self._direct = DirectDecoder(source) if direct_supported(source) else None
 
     # ---- pieces shared with drafters -----------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(tokens)
+        return self._io_modules()[0](tokens)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden)
+        return self._io_modules()[1](hidden)
+
+    def _io_modules(self):
+        """(input embedding, output embedding) of the model, looked up once per request (a
+        drafter calls `embed` / `head` several times per step; the lookup walks VLM wrappers)."""
+        io = self._io
+        if io is None or io[0] is not self.model:
+            io = self._io = (self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings())
+        return io[1], io[2]
 
     # ---- per request ---------------------------------------------------------------------------
     def begin(self, input_ids, attention_mask, model_inputs: dict[str, Any]) -> None:
@@ -81,6 +90,7 @@ class HFSpec(ForwardSpec):
         # A target/drafter built once and reused: bring a prepacked view up to date with its
         # model (hooks added, head replaced, train/eval switched since the last call).
         self.model = refresh(self.model)
+        self._io = None  # embeddings may have been replaced since the last request
         unknown = sorted(k for k in model_inputs if k not in self.forward_params)
         if unknown:
             raise ValueError(
