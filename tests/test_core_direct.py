@@ -54,7 +54,7 @@ def tree_inputs(B: int, parents: list[int]):
     return depth.expand(B, Q).clone(), vis.expand(B, Q, Q).clone()
 
 
-def run_steps(model, direct: bool, features: FeatureRequest):
+def run_steps(model, direct: bool, features: FeatureRequest, prompt=None, model_inputs=None):
     """Prefill a left-padded batch, verify a tree, commit a path, verify a chain; returns every
     step output."""
     spec = HFSpec(model)
@@ -62,9 +62,9 @@ def run_steps(model, direct: bool, features: FeatureRequest):
     if not direct:
         spec._direct = None
     runner = SpecRunner(spec)
-    ids, mask = left_padded([9, 5, 7], vocab=V)
+    ids, mask = prompt if prompt is not None else left_padded([9, 5, 7], vocab=V)
     B = ids.shape[0]
-    runner.prefill(ids, mask, 64, {}, features)
+    runner.prefill(ids, mask, 64, model_inputs or {}, features)
     g = torch.Generator().manual_seed(3)
     outs = []
     depth, vis = tree_inputs(B, TREE_PARENTS)
@@ -109,6 +109,57 @@ def test_direct_steps_are_bit_identical_to_the_models_forward(family):
         assert sorted(a.layers) == sorted(b.layers) == [-1, 0]
         for i in a.layers:
             assert torch.equal(a.layers[i], b.layers[i])
+
+
+def count_forwards(model):
+    import functools
+
+    calls = {"n": 0}
+    original = model.forward
+
+    @functools.wraps(original)  # keeps the signature the spec reads
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    model.forward = counting
+    return calls
+
+
+def test_llava_steps_are_bit_identical_to_the_models_forward():
+    """LLaVA: the prefill merges the image through the model's own forward; the steps after it
+    (no images) run its Llama language model directly, with the same logits and features."""
+    from transformers import LlavaForConditionalGeneration
+
+    from conftest import tiny_llava_config
+
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(tiny_llava_config(V, 45)).eval()
+    model.config.text_config._attn_implementation = "sdpa"
+    ids, mask = left_padded([11, 8, 9], vocab=40)
+    for b, n in enumerate([11, 8, 9]):
+        start = ids.shape[1] - n + 2
+        ids[b, start : start + 4] = 45  # 2x2 patches -> 4 image tokens per row
+    pixels = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    features = FeatureRequest(last_hidden=True, hidden_layers=(0, -1), image_features=True)
+    calls = count_forwards(model)
+    direct = run_steps(model, True, features, (ids, mask), {"pixel_values": pixels})
+    assert calls["n"] == 1, "only the prefill goes through the model's own forward on the direct path"
+    calls["n"] = 0
+    plain = run_steps(model, False, features, (ids, mask), {"pixel_values": pixels})
+    assert calls["n"] == 4
+    for a, b in zip(direct, plain):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+        assert a.image_features is None and b.image_features is None  # steps carry no image
+        for i in (0, -1):
+            assert torch.equal(a.layers[i], b.layers[i])
+    # A hook on the language model (skipped by the direct path) sends every step through the
+    # model's own forward, so the hook runs.
+    seen = []
+    handle = model.model.language_model.register_forward_hook(lambda m, a, o: seen.append(1))
+    run_steps(model, True, features, (ids, mask), {"pixel_values": pixels})
+    handle.remove()
+    assert len(seen) == 4
 
 
 def test_the_direct_path_steps_aside_for_hooks_training_and_subclasses():

@@ -14,9 +14,11 @@ are bit-identical (tested for Llama, Mistral, Qwen2 and Qwen3, chains and trees,
 Which models: an exact whitelist of families whose `Model.forward` is embed -> rotary ->
 layers (one mask per attention type) -> norm and whose `CausalLM.forward` is `lm_head` over the
 kept positions (no embedding scale, no logit soft-capping or scaling): Llama, Mistral, Qwen2,
-Qwen3. Anything else, a model in training mode, or one with forward hooks on the wrapper
-modules this path skips (they would silently not run) goes through the model's own forward.
-Prefill always runs the model's own forward (once per request; image merging etc.).
+Qwen3; and LLaVA-1.5 / LLaVA-NeXT over one of those language models, whose forward without
+images is exactly that (the image features are merged at prefill only). Anything else, a model
+in training mode, or one with forward hooks on the wrapper modules this path skips (they would
+silently not run) goes through the model's own forward. Prefill always runs the model's own
+forward (once per request; image merging etc.).
 """
 
 from __future__ import annotations
@@ -33,16 +35,42 @@ DIRECT_FAMILIES = {
 }
 
 
+# VLM model_type -> (ConditionalGeneration class name, wrapper model class name): the language
+# model under `model.language_model` must itself be a whitelisted base model.
+DIRECT_VLMS = {
+    "llava": ("LlavaForConditionalGeneration", "LlavaModel"),
+    "llava_next": ("LlavaNextForConditionalGeneration", "LlavaNextModel"),
+}
+
+
+def decoder_path(model) -> tuple[str, ...] | None:
+    """Attribute path from `model` (the user's model, not a prepacked view) to the decoder base
+    model a direct step runs, or None when the model is not whitelisted."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in DIRECT_VLMS:
+        names = DIRECT_VLMS[model_type]
+        wrapper = getattr(model, "model", None)
+        if type(model).__name__ != names[0] or type(wrapper).__name__ != names[1]:
+            return None
+        text_type = getattr(config.get_text_config(), "model_type", None)
+        path, base = ("model", "language_model"), getattr(wrapper, "language_model", None)
+    else:
+        names = DIRECT_FAMILIES.get(model_type)
+        if names is None or type(model).__name__ != names[0]:
+            return None
+        text_type, path, base = model_type, ("model",), getattr(model, "model", None)
+    family = DIRECT_FAMILIES.get(text_type)
+    if family is None or base is None or type(base).__name__ != family[1]:
+        return None
+    if not (all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and hasattr(model, "lm_head")):
+        return None
+    return path
+
+
 def direct_supported(model) -> bool:
     """True when `model` (the user's model, not a prepacked view) is a whitelisted family."""
-    config = getattr(model, "config", None)
-    names = DIRECT_FAMILIES.get(getattr(config, "model_type", None))
-    if names is None or type(model).__name__ != names[0]:
-        return False
-    base = getattr(model, "model", None)
-    if base is None or type(base).__name__ != names[1]:
-        return False
-    return all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")) and hasattr(model, "lm_head")
+    return decoder_path(model) is not None
 
 
 def check_layer_range(hidden_layers, num_layers: int) -> None:
@@ -60,14 +88,28 @@ class DirectDecoder:
     """Runs one step forward of `run` (the model or its prepacked view) module by module."""
 
     def __init__(self, source):
-        config = source.config
+        config = source.config.get_text_config() if hasattr(source.config, "get_text_config") else source.config
         self.num_layers = int(config.num_hidden_layers)
         self.layer_types = getattr(config, "layer_types", None)
+        self.path = decoder_path(source)
+        if self.path is None:
+            raise ValueError(f"{type(source).__name__} is not a model the direct step path supports")
+
+    def base(self, run):
+        """The decoder base model of `run` (the model or its prepacked view)."""
+        for name in self.path:
+            run = getattr(run, name)
+        return run
 
     def usable(self, run) -> bool:
         """Per forward: the model is in eval mode and no hook sits on a skipped wrapper."""
-        if run.training or _hooked(run) or _hooked(run.model):
+        if run.training or _hooked(run):
             return False
+        module = run
+        for name in self.path:  # the wrappers between the model and its decoder, the decoder included
+            module = getattr(module, name)
+            if _hooked(module):
+                return False
         from torch.nn.modules import module as nn_module
 
         return not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
@@ -77,7 +119,7 @@ class DirectDecoder:
         """Returns (logits, final hidden or None, {layer: output}). `mask`: None, a 4-D additive
         mask, or {attention type: mask} (as `HFSpec._additive` builds them)."""
         check_layer_range(hidden_layers, self.num_layers)
-        base = run.model
+        base = self.base(run)
         hidden = base.embed_tokens(tokens)
         position_embeddings = base.rotary_emb(hidden, position_ids=positions)
         wanted = {i % self.num_layers for i in hidden_layers}

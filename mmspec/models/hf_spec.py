@@ -124,7 +124,8 @@ class HFSpec(ForwardSpec):
         positions = self.positions(attention.q_pos)
         keep = 1 if last_only else 0
         direct = self._direct
-        if direct is not None and not features.image_features and type(kv) is RaggedKV and direct.usable(self.model):
+        # Step forwards carry no images, so a request for image features returns None either way.
+        if direct is not None and type(kv) is RaggedKV and direct.usable(self.model):
             logits, hidden, layers = direct.forward(
                 self.model, tokens, mask, positions, self._cache_for(kv), keep=keep, last_hidden=features.last_hidden,
                 hidden_layers=tuple(features.hidden_layers))
