@@ -18,9 +18,11 @@ def test_bench_vlm_variants(tmp_path):
                          tree_drafters=("vispec",), auto_drafters=("vispec",), auto_max_draft_tokens=3)
     report = run(cfg)
     (rows,) = [r["methods"] for r in report["runs"]]
-    assert list(rows) == ["plain", "vispec", "vispec+tree", "vispec+auto"]
+    assert list(rows) == ["plain", "generate", "vispec", "vispec+tree", "vispec+auto"]
+    # transformers' own generate (the peer row) answers exactly like mmspec's plain decoding
     assert all(r["identical_to_plain"] for r in rows.values())
-    assert rows["plain"]["mean_accepted_length"] == 1.0
+    assert rows["plain"]["mean_accepted_length"] == 1.0 == rows["generate"]["mean_accepted_length"]
+    assert rows["generate"]["speedup_vs_generate"] == 1.0 and rows["plain"]["speedup_vs_generate"] > 0
     assert report["model"]["num_draft_tokens"]["vispec+auto"] == "auto"
     assert report["model"]["trees"]["vispec+tree"] == [3, 2, 4]
     json.dumps(report)  # the report is JSON as written by --json

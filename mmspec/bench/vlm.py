@@ -2,7 +2,8 @@
 each drafter saved with a `SpeculativeVLMPipeline` (default: the bundled testbed VLM), on
 captions and VQA of testbed validation scenes.
 
-Per task (caption, vqa) and batch size it reports, per method (plain, then each drafter):
+Per task (caption, vqa) and batch size it reports, per method (plain, transformers' own greedy
+`generate` on the same model and processor outputs as the peer, then each drafter):
 mean accepted length (tokens per target verify forward per row, bonus included), target
 forwards, wall-clock seconds and the speed-up over plain decoding through the same pipeline
 code (median over rounds; plain and speculative runs are interleaved chunk by chunk, so load
@@ -52,6 +53,7 @@ class VLMBenchConfig:
     # also run these drafters with num_draft_tokens="auto" (K picked per step, "<name>+auto")
     auto_drafters: tuple[str, ...] = ()
     auto_max_draft_tokens: int = 6
+    generate: bool = True  # also time transformers' own greedy `generate` (row "generate", the peer)
 
     def __post_init__(self):
         if self.num_scenes < 1 or self.repeats < 1 or self.max_new_tokens < 1:
@@ -110,12 +112,50 @@ def task_items(scenes, task: str) -> tuple[list, list]:
     return images, ([None] * len(scenes) if task == "caption" else [s.qa[0][0] for s in scenes])
 
 
+GENERATE = "generate"  # transformers' own greedy `generate` on the same model and inputs (the peer)
+
+
 def _run(pipe, method: str, images, prompts, B: int, max_new_tokens: int):
+    if method == GENERATE:
+        return _run_generate(pipe, images, prompts, max_new_tokens)
     if method != "plain":
         pipe.load_drafter(method)
     t0 = time.perf_counter()
     out = pipe(images, prompts, max_new_tokens=max_new_tokens, speculative=method != "plain", batch_size=B)
     return out, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def _run_generate(pipe, images, prompts, max_new_tokens: int):
+    """`model.generate(do_sample=False)` on the pipeline's own processor outputs (chat template,
+    left padding, the same EOS / pad ids), timed like a pipeline call (preprocessing included).
+    Returns an object with the pipeline output's `texts`, `sequences` (EOS kept, padding cut) and
+    `stats` (no speculation: one target forward per token)."""
+    from types import SimpleNamespace
+
+    from mmspec.stats import SpecStats
+
+    t0 = time.perf_counter()
+    loaded = [pipe._load_images(img) for img in images]
+    texts = [pipe._prompt(p, len(imgs)) for p, imgs in zip(prompts, loaded)]
+    enc = pipe.processor(images=[i for imgs in loaded for i in imgs] or None, text=texts, return_tensors="pt",
+                         padding=True)
+    enc = {k: (v.to(pipe.target.dtype) if torch.is_floating_point(v) else v) for k, v in enc.items()}
+    eos = pipe.target.generation_config.eos_token_id
+    eos = pipe.processor.tokenizer.eos_token_id if eos is None else eos
+    pad = pipe.processor.tokenizer.pad_token_id
+    out = pipe.target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                               pad_token_id=pad if pad is not None else 0)
+    wall = time.perf_counter() - t0
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    seqs = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        seqs.append(torch.tensor(row[:end]))
+    stats = SpecStats(new_tokens=[len(x) for x in seqs], target_calls=max(len(x) for x in seqs) - 1,
+                      row_steps=sum(len(x) - 1 for x in seqs), emitted_tokens=sum(len(x) - 1 for x in seqs))
+    decoded = [pipe.processor.tokenizer.decode(x, skip_special_tokens=True).strip() for x in seqs]
+    return SimpleNamespace(texts=decoded, sequences=seqs, stats=stats), wall
 
 
 def run_round(pipe, methods, images, prompts, B: int, cfg: VLMBenchConfig) -> dict:
@@ -177,7 +217,7 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
     unknown = [n for n in names if n not in pipe.drafters]
     if unknown:
         raise ValueError(f"drafters {unknown} are not saved with {cfg.model}; it has {sorted(pipe.drafters)}")
-    methods = ["plain"] + names
+    methods = ["plain"] + ([GENERATE] if cfg.generate else []) + names
     if cfg.tree is not None:
         bad = [n for n in cfg.tree_drafters if n not in names]
         if bad:
@@ -211,12 +251,14 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
                 rounds.append(run_round(pipe, order, images, prompts, B, cfg))
                 progress(f"batch {B} {task}: round {r + 1}/{cfg.repeats} done")
             plain = statistics.median(x["plain"]["wall"] for x in rounds)
+            peer = statistics.median(x[GENERATE]["wall"] for x in rounds) if GENERATE in methods else None
             rows = {}
             for m in methods:
                 last = rounds[-1][m]
                 wall = statistics.median(x[m]["wall"] for x in rounds)
                 rows[m] = {
                     "wall_s": round(wall, 4), "speedup_vs_plain": round(plain / wall, 3),
+                    "speedup_vs_generate": round(peer / wall, 3) if peer else None,
                     "mean_accepted_length": round(last["emitted"] / max(last["row_steps"], 1), 3),
                     "target_forwards": last["target_calls"],
                     "identical_to_plain": all(x[m]["seqs"] == x["plain"]["seqs"] for x in rounds),
@@ -244,13 +286,16 @@ def format_table(report: dict) -> str:
         ratio = r["verify_cost"]["ratio_to_one_token"]
         lines.append(f"\n{r['task']}, batch {r['batch_size']}, {r['scenes']} scenes; verify cost / one-token forward: "
                      + ", ".join(f"Q={q}: {v}x" for q, v in ratio.items()))
-        lines.append(f"{'method':<13}{'acc.len':>9}{'fwds':>7}{'wall s':>9}{'speed-up':>10}{'verify ms':>11}"
-                     f"{'draft ms':>10}  identical")
+        peer = any(x.get("speedup_vs_generate") for x in r["methods"].values())
+        lines.append(f"{'method':<13}{'acc.len':>9}{'fwds':>7}{'wall s':>9}{'speed-up':>10}"
+                     + (f"{'vs generate':>13}" if peer else "") + f"{'verify ms':>11}{'draft ms':>10}  identical")
         for name, x in r["methods"].items():
             d = "-" if x["drafter_ms_per_step"] is None else f"{x['drafter_ms_per_step']:.2f}"
+            v = "-" if name == GENERATE else f"{x['verify_ms_per_forward']:.2f}"
             lines.append(f"{name:<13}{x['mean_accepted_length']:>9.2f}{x['target_forwards']:>7}{x['wall_s']:>9.2f}"
-                         f"{x['speedup_vs_plain']:>9.2f}x{x['verify_ms_per_forward']:>11.2f}{d:>10}  "
-                         f"{'yes' if x['identical_to_plain'] else 'NO'}")
+                         f"{x['speedup_vs_plain']:>9.2f}x"
+                         + (f"{x['speedup_vs_generate']:>12.2f}x" if peer else "")
+                         + f"{v:>11}{d:>10}  {'yes' if x['identical_to_plain'] else 'NO'}")
     return "\n".join(lines)
 
 
@@ -321,6 +366,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--auto-drafters", type=names, default=(),
                    help="also run these drafters with the adaptive draft length (method <name>+auto)")
     p.add_argument("--auto-max-draft-tokens", type=int, default=6, help="largest K of the +auto variants (default 6)")
+    p.add_argument("--no-generate", action="store_true", help="do not time transformers' own generate beside plain")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     a = p.parse_args(argv)
     try:
@@ -328,7 +374,7 @@ def main(argv: list[str]) -> int:
                                 drafters=a.drafters, tasks=a.tasks, max_new_tokens=a.max_new_tokens,
                                 repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree,
                                 tree_drafters=a.tree_drafters, auto_drafters=a.auto_drafters,
-                                auto_max_draft_tokens=a.auto_max_draft_tokens)
+                                auto_max_draft_tokens=a.auto_max_draft_tokens, generate=not a.no_generate)
         report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None

@@ -75,7 +75,7 @@ class VLMTrainConfig:
     threads: int = 1
     device: str = "cpu"
     # data
-    n_train: int = 12000
+    n_train: int = 36000
     n_val: int = 200
     image_size: int = 64  # processor crop (scenes are rendered at 64: no resampling)
     patch_size: int = 8
@@ -83,7 +83,7 @@ class VLMTrainConfig:
     tower_dim: int = 128
     tower_layers: int = 4
     tower_heads: int = 4
-    tower_steps: int = 3000
+    tower_steps: int = 6000
     tower_object_weight: float = 1.0  # weight of the per-object colour x shape loss (0 = off)
     tower_batch: int = 64
     tower_lr: float = 2e-3
