@@ -63,3 +63,25 @@ def test_exact_float32_inputs_stay_finite_and_exact():
     _, res, first = one_step(ExactAcceptance(), p, q, 50_000, gen)
     assert res.accept_probs.dtype == torch.float32
     assert chi_square_pvalue(first, p.double()) > P_MIN
+
+
+def test_greedy_fast_chain_verification_equals_the_generic_path():
+    """GreedyAcceptance's own `verify_unchecked` gives what the generic chain path gives (accepted
+    counts, next tokens, per-position acceptance), ties in the target's argmax included."""
+    from mmspec.acceptance import GreedyAcceptance
+    from mmspec.acceptance.base import ChainRule
+
+    rule = GreedyAcceptance()
+    g = torch.Generator().manual_seed(0)
+    accepted, drafted = 0, 0
+    for B, K, V, dtype in ((7, 4, 6, torch.float64), (5, 1, 3, torch.float32), (3, 6, 50, torch.float32)):
+        p = torch.randint(0, 3, (B, K + 1, V), generator=g).to(dtype)  # small integers: many ties
+        p[p.sum(-1) == 0] = 1.0
+        top = p.argmax(-1)
+        drafts = torch.where(torch.rand(B, K, generator=g) < 0.7, top[:, :K], torch.randint(0, V, (B, K), generator=g))
+        fast = rule.verify_unchecked(drafts, None, p)
+        ref = ChainRule.verify_unchecked(rule, drafts, None, p, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(fast.num_accepted, ref.num_accepted) and torch.equal(fast.next_tokens, ref.next_tokens)
+        assert torch.equal(fast.accept_probs, ref.accept_probs) and fast.distortion is None
+        accepted, drafted = accepted + int(fast.num_accepted.sum()), drafted + B * K
+    assert 0 < accepted < drafted  # some drafts accepted, some rejected
