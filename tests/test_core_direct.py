@@ -195,3 +195,21 @@ def test_direct_path_refuses_an_out_of_range_feature_layer():
         with pytest.raises(ValueError, match=f"hidden layer {bad} out of range for a 3-layer model"):
             direct.forward(model, tokens, None, torch.zeros(1, 1, dtype=torch.long), None, keep=0,
                            last_hidden=False, hidden_layers=(bad,))
+
+
+def test_vlm_wrappers_take_the_direct_path_only_over_a_whitelisted_language_model():
+    """LLaVA-NeXT over Llama is whitelisted; over Gemma (its embedding is scaled inside the
+    model's forward, which the direct path would skip) it is not."""
+    from transformers import CLIPVisionConfig, GemmaConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    from mmspec.models.hf_direct import decoder_path
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              image_size=16, patch_size=8, projection_dim=32)
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    for text, expected in ((LlamaConfig(**common), ("model", "language_model")), (GemmaConfig(**common, head_dim=8), None)):
+        cfg = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=45, image_grid_pinpoints=[[16, 32]])
+        model = LlavaNextForConditionalGeneration(cfg)
+        assert decoder_path(model) == expected
+        assert (HFSpec(model)._direct is None) == (expected is None)
