@@ -113,6 +113,9 @@ def rotate_half(x):
 
 
 class HeadAttention(nn.Module):
+    """The attention parameters of a head layer (q/k/v/o projections, RoPE); `HeadLayer`
+    computes with them."""
+
     def __init__(self, c: EagleHeadConfig):
         super().__init__()
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -145,23 +148,6 @@ class HeadAttention(nn.Module):
             self._rope_table = table
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
-    def forward(self, x, positions, visible, kv: RaggedKV | None):
-        """x [B, Q, H], positions [B, Q], visible [B, Q, S] bool (S = Q without a cache), or None
-        when every query sees every key."""
-        B, Q, _ = x.shape
-        q = self.q_proj(x).view(B, Q, self.heads, self.dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, Q, self.kv_heads, self.dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, Q, self.kv_heads, self.dim).transpose(1, 2)
-        cos, sin = self._rope(positions, x.dtype)  # [B, 1, Q, D] each
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if kv is not None:
-            k, v = kv.update(0, k, v)
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if visible is None else visible.unsqueeze(1))
-        return self.o_proj(out.transpose(1, 2).reshape(B, Q, -1))
-
 
 class HeadLayer(nn.Module):
     """A Llama decoder layer without input norm (EAGLE's first draft layer)."""
@@ -177,23 +163,19 @@ class HeadLayer(nn.Module):
         })
 
     def forward(self, x, positions, visible, kv):
-        x = x + self.self_attn(x, positions, visible, kv)
-        h = self.post_attention_layernorm(x)
-        return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
-
-    def infer(self, x, positions, visible, kv):
-        """`forward` for inference (no autograd), as plain tensor operations over stacked weights:
-        a drafting step is one or a few tokens, so its cost is the number of operations, and module
-        calls and separate q / k / v and gate / up GEMMs are most of it (measured on a 2-core EPYC
-        VM, a 128-wide layer at one token: ~340 us through the modules, ~210 us here). The same
-        arithmetic up to float rounding (GEMMs over stacked weights may sum in another order)."""
+        """x [B, Q, H], positions [B, Q], visible [B, Q, S] bool (S = Q without a cache) or None
+        when every query sees every key. Plain tensor operations over stacked weights: a drafting
+        step is one or a few tokens, so its cost is the number of operations, and module calls and
+        separate q / k / v and gate / up GEMMs were most of it (measured on a 2-core EPYC VM, a
+        128-wide layer at one token: ~340 us through the submodules, ~210 us here). RoPE is
+        applied to the q and k heads at once."""
         attn = self.self_attn
-        w = self._stacked()
+        w = self._weights()
         B, Q, _ = x.shape
         h, g, d = attn.heads, attn.kv_heads, attn.dim
-        cos, sin = attn._rope(positions, x.dtype)
+        cos, sin = attn._rope(positions, x.dtype)  # [B, 1, Q, D] each
         qkv = F.linear(x, w["qkv"])
-        qk = qkv[..., : (h + g) * d].reshape(B, Q, h + g, d).transpose(1, 2)  # RoPE on q and k heads at once
+        qk = qkv[..., : (h + g) * d].reshape(B, Q, h + g, d).transpose(1, 2)
         qk = qk * cos + rotate_half(qk) * sin
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[..., (h + g) * d:].reshape(B, Q, g, d).transpose(1, 2)
@@ -207,19 +189,24 @@ class HeadLayer(nn.Module):
         gate, up = F.linear(F.rms_norm(x, norm.weight.shape, w["norm"], norm.eps), w["gate_up"]).chunk(2, -1)
         return x + F.linear(F.silu(gate) * up, w["down"])
 
-    def _stacked(self) -> dict[str, torch.Tensor]:
-        """Detached (and stacked) weights for `infer`, rebuilt when any parameter changes (another
-        tensor, dtype or device, or an in-place update such as an optimiser step, seen through the
-        tensor's version counter)."""
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The layer's weights, q/k/v and gate/up stacked. With autograd on (training) stacked
+        from the live parameters at every call, so gradients reach them; with it off (drafting)
+        detached and kept until a parameter changes (another tensor, dtype or device, or an
+        in-place update such as an optimiser step, seen through the tensor's version counter)."""
         a, m = self.self_attn, self.mlp
         params = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, m["gate_proj"].weight,
                   m["up_proj"].weight, m["down_proj"].weight, self.post_attention_layernorm.weight)
+
+        def stack(q, k, v, o, gate, up, down, norm):
+            return {"qkv": torch.cat([q, k, v]), "o": o, "gate_up": torch.cat([gate, up]), "down": down, "norm": norm}
+
+        if torch.is_grad_enabled():
+            return stack(*params)
         key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
         cache = self.__dict__.get("_stacked_cache")
         if cache is None or cache[0] != key:
-            q, k, v, o, gate, up, down, norm = (p.detach() for p in params)
-            cache = (key, {"qkv": torch.cat([q, k, v]), "o": o, "gate_up": torch.cat([gate, up]), "down": down,
-                           "norm": norm})
+            cache = (key, stack(*(p.detach() for p in params)))
             self.__dict__["_stacked_cache"] = cache
         return cache[1]
 
@@ -238,9 +225,8 @@ class EagleHead(nn.Module):
         return self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], -1))
 
     def decode(self, x, positions, visible, kv: RaggedKV | None = None) -> torch.Tensor:
-        infer = not torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer.infer(x, positions, visible, kv) if infer else layer(x, positions, visible, kv)
+            x = layer(x, positions, visible, kv)
         return x
 
     def prepare(self, next_tokens, embeds, hidden, mask):

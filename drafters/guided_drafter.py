@@ -67,12 +67,12 @@ class _GuidedRunner:
         return SpecOutput(logits=self._guide(out.logits, index))
 
     def forward(self, tokens, depth, tree_visible, uncommitted: int, *, last_only: bool = False,
-                queries: int | None = None) -> SpecOutput:
+                queries: int | None = None, sees_region: bool = False) -> SpecOutput:
         B = tokens.shape[0]
         q_pos = self.inner.kv.next_pos[:B].unsqueeze(1) + depth  # logical positions of the conditional queries
         out = self.inner.forward(torch.cat([tokens, tokens]), torch.cat([depth, depth]),
                                  torch.cat([tree_visible, tree_visible]), uncommitted, last_only=last_only,
-                                 queries=queries)
+                                 queries=queries, sees_region=sees_region)
         index = q_pos - self.prompt_len.unsqueeze(1) + 1
         if last_only:
             index = index[:, -1:]

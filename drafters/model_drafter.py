@@ -194,7 +194,8 @@ class ModelDrafter:
             if i < K - 1:
                 vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
                 depth = torch.full((B, 1), i, dtype=torch.long, device=device)
-                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True, queries=1).logits[:, -1]
+                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True, queries=1,
+                                             sees_region=True).logits[:, -1]
                 self.draft_calls += 1
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
         return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)

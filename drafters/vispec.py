@@ -68,9 +68,22 @@ class ViSpecHead(EagleHead):
                 self.img_fc.bias.zero_()
 
     def fuse(self, embeds, hidden, global_vec=None):
-        hidden = hidden.to(embeds.dtype)
-        g = torch.zeros_like(hidden) if global_vec is None else global_vec.to(hidden.dtype).expand_as(hidden)
-        return self.fc(torch.cat([embeds, self.img_fc(torch.cat([hidden, g], -1))], -1))
+        """`fc(concat(embed, img_fc(concat(h, g))))`; g = 0 before the first image."""
+        return self.fuse_with(embeds, hidden, self.global_term(global_vec, embeds.dtype))
+
+    def global_term(self, global_vec, dtype) -> torch.Tensor:
+        """`img_fc(concat(h, g)) = W_h h + (W_g g + b)`: the second term, [..., 1, H], fixed for a
+        request (a drafter computes it once and passes it to `fuse_with` at every step)."""
+        H = self.config.hidden_size
+        weight, bias = self.img_fc.weight, self.img_fc.bias
+        if global_vec is None:
+            return (bias if bias is not None else weight.new_zeros(H)).to(dtype)
+        return F.linear(global_vec.to(dtype), weight[:, H:].to(dtype), None if bias is None else bias.to(dtype))
+
+    def fuse_with(self, embeds, hidden, term):
+        H = self.config.hidden_size
+        fused = F.linear(hidden.to(embeds.dtype), self.img_fc.weight[:, :H]) + term
+        return self.fc(torch.cat([embeds, fused], -1))
 
     def prepare(self, next_tokens, embeds, hidden, mask):
         """Compress every image span of each row (see the module docstring). Returns (inputs
@@ -128,18 +141,12 @@ class ViSpecDrafter(EagleHeadDrafter):
         self.global_vec: torch.Tensor | None = None  # [B, H]
 
     def _set_state(self, state):
-        # img_fc(concat(h, g)) = W_h h + (W_g g + b): the second term is fixed for a request, so
-        # drafting steps compute it once (the same value as `ViSpecHead.fuse` up to rounding).
         self.global_vec = state
-        H = self.head.config.hidden_size
-        weight = self.head.img_fc.weight
-        self._img_h = weight[:, :H].contiguous()
-        self._img_g = F.linear(state.to(weight.dtype), weight[:, H:], self.head.img_fc.bias).unsqueeze(1)  # [B, 1, H]
+        self._global_term = self.head.global_term(state, self._dtype).unsqueeze(1)  # [B, 1, H], once per request
 
     def _select_state(self, rows):
         self.global_vec = self.global_vec.index_select(0, rows)
-        self._img_g = self._img_g.index_select(0, rows)
+        self._global_term = self._global_term.index_select(0, rows)
 
     def _fuse(self, embeds, hidden):
-        fused = F.linear(hidden.to(embeds.dtype), self._img_h) + self._img_g
-        return self.head.fc(torch.cat([embeds, fused], -1))
+        return self.head.fuse_with(embeds, hidden, self._global_term)

@@ -166,9 +166,10 @@ class SpecRunner:
         *,
         last_only: bool = False,
         queries: int | None = None,  # static mode: the fixed query count of this forward kind
+        sees_region: bool = False,  # the caller's fact: each new token sees the whole region (a chain step)
     ) -> SpecOutput:
         if not self.static:
-            attention = self.kv.plan(depth, tree_visible, uncommitted)
+            attention = self.kv.plan(depth, tree_visible, uncommitted, sees_region=sees_region)
             return self._step(tokens, attention, self.kv, self.features, last_only=last_only)
         return self._static_forward(tokens, depth, tree_visible, uncommitted, last_only, queries)
 

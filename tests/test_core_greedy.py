@@ -113,3 +113,26 @@ def test_max_new_tokens_zero_and_one(target):
     assert torch.equal(zero.sequences, ids)
     one = mmspec.speculative_generate(target, ModelDrafter(target, 2), ids, mask, temperature=0, max_new_tokens=1)
     assert torch.equal(one.sequences, reference(target, ids, mask, 1))
+
+
+def test_perfect_chain_drafter_without_padding_drafts_mask_free_and_is_accepted_in_full(target, monkeypatch):
+    """Unpadded rows of equal length: the drafter's chain steps (one token that sees the whole
+    uncommitted region) take RaggedKV's mask-free path, and a drafter that is the target still
+    drafts the target's own tokens there."""
+    from mmspec.ragged import RaggedKV
+
+    full = []
+    plan = RaggedKV.plan
+
+    def recording(self, *args, **kwargs):
+        attention = plan(self, *args, **kwargs)
+        full.append((args[2], attention.full))  # (tokens already in the region, mask-free?)
+        return attention
+
+    monkeypatch.setattr(RaggedKV, "plan", recording)
+    ids, mask = left_padded([8, 8])
+    out = mmspec.speculative_generate(target, ModelDrafter(target, num_draft_tokens=4), ids, mask, temperature=0,
+                                      max_new_tokens=21)
+    assert torch.equal(out.sequences, reference(target, ids, mask, 21))
+    assert out.stats.mean_accepted_length == 5.0
+    assert any(t > 0 and f for t, f in full), "chain steps past the first draft ran without a mask"

@@ -397,10 +397,13 @@ def test_rope_table_equals_direct_angles():
 
 
 def test_inference_layer_equals_module_forward_and_follows_weight_updates():
-    """`HeadLayer.infer` (no-grad drafting: stacked q/k/v and gate/up weights, functional ops)
-    computes what the modules compute (float64, GQA, a mask and a KV cache), and an in-place
-    weight update (an optimiser step between calls) reaches it."""
-    from mmspec.drafters.eagle_head import HeadLayer
+    """`HeadLayer` (stacked q/k/v and gate/up weights, kept between no-grad calls) computes a
+    Llama decoder layer without input norm, written here from its separate submodules (float64,
+    GQA, a mask and a KV cache), with autograd on and off; an in-place weight update (an
+    optimiser step between calls) reaches the no-grad path."""
+    import torch.nn.functional as F
+
+    from mmspec.drafters.eagle_head import HeadLayer, rotate_half
     from mmspec.ragged import RaggedKV
 
     torch.manual_seed(0)
@@ -413,22 +416,37 @@ def test_inference_layer_equals_module_forward_and_follows_weight_updates():
     visible[1, :, 0] = False
     visible[1, 0, 0] = True
 
+    def reference():
+        a, m = layer.self_attn, layer.mlp
+        q = a.q_proj(x).view(2, 5, 4, 8).transpose(1, 2)
+        k = a.k_proj(x).view(2, 5, 2, 8).transpose(1, 2)
+        v = a.v_proj(x).view(2, 5, 2, 8).transpose(1, 2)
+        cos, sin = a._rope(positions, x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.unsqueeze(1))
+        y = x + a.o_proj(att.transpose(1, 2).reshape(2, 5, 32))
+        n = layer.post_attention_layernorm
+        hn = n.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + n.eps))
+        return (y + m["down_proj"](F.silu(m["gate_proj"](hn)) * m["up_proj"](hn))).detach()
+
     def both():
         outs = []
-        for infer in (False, True):
+        for grad in (True, False):
             kv = RaggedKV(1, torch.ones(2, 5, dtype=torch.long), 16)
             attention = kv.plan_prefill(torch.ones(2, 5, dtype=torch.long))
             assert attention.is_prefill
-            with torch.set_grad_enabled(not infer):
-                out = layer.infer(x, positions, visible, kv) if infer else layer(x, positions, visible, kv)
-            outs.append(out.detach())
+            with torch.set_grad_enabled(grad):
+                outs.append(layer(x, positions, visible, kv).detach())
         return outs
 
-    ref, got = both()
-    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    ref = reference()
+    for got in both():
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     with torch.no_grad():
         layer.self_attn.k_proj.weight.mul_(2.0)
         layer.mlp["up_proj"].weight.add_(0.1)
-    ref2, got2 = both()
-    torch.testing.assert_close(got2, ref2, rtol=1e-12, atol=1e-12)
-    assert (ref2 - ref).abs().max() > 1e-3  # the update changed the output, and infer followed it
+    ref2 = reference()
+    for got in both():
+        torch.testing.assert_close(got, ref2, rtol=1e-12, atol=1e-12)
+    assert (ref2 - ref).abs().max() > 1e-3  # the update changed the output, and the layer followed it
