@@ -201,6 +201,8 @@ class HFSpec(ForwardSpec):
                     hidden = output[0]
                 captured["last"] = hidden
                 image = getattr(output, "image_hidden_states", None)
+                if isinstance(image, (list, tuple)):  # one tensor per image (transformers >= 5.24)
+                    image = torch.cat([t.reshape(-1, t.shape[-1]) for t in image]) if image else None
                 if image is not None:
                     captured["image"] = image
 
