@@ -127,25 +127,30 @@ class HeadAttention(nn.Module):
         self.register_buffer("inv_freq", 1.0 / c.rope_theta ** (torch.arange(0, self.dim, 2).double() / self.dim),
                              persistent=False)
 
-    def _rope(self, positions, dtype):
+    def _rope(self, positions, dtype, max_position: int | None = None):
         """cos / sin [B, 1, Q, D] of `positions` (angles in float64). On CPU from a table
         computed once (regrown when a position is past its end), so drafting steps only gather;
-        elsewhere computed directly (sizing the table needs the largest position on the host)."""
+        elsewhere computed directly (sizing the table needs the largest position on the host).
+        `max_position`: a host-side upper bound of `positions` known to the caller (a drafting
+        step knows its cache length), which spares reading the positions back (a sync and two
+        reductions per call); positions are then >= 0 by construction (logical positions)."""
         if positions.device.type != "cpu":
             freqs = positions.unsqueeze(-1).double() * self.inv_freq
             emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
             return emb.cos().to(dtype), emb.sin().to(dtype)
-        lo, hi = torch.aminmax(positions) if positions.numel() else (torch.zeros(()), torch.zeros(()))
-        if int(lo) < 0:  # a table lookup would wrap around silently
-            raise ValueError(f"RoPE positions must be >= 0, got {int(lo)}")
-        need = int(hi) + 1
-        table = getattr(self, "_rope_table", None)
+        if max_position is None:
+            lo, hi = torch.aminmax(positions) if positions.numel() else (torch.zeros(()), torch.zeros(()))
+            if int(lo) < 0:  # a table lookup would wrap around silently
+                raise ValueError(f"RoPE positions must be >= 0, got {int(lo)}")
+            max_position = int(hi)
+        need = max_position + 1
+        table = self.__dict__.get("_rope_table")
         if table is None or table[0].shape[0] < need or table[0].dtype != dtype or table[0].device != positions.device:
             n = max(need, 256 if table is None else 2 * table[0].shape[0])
             freqs = torch.arange(n, dtype=torch.float64, device=positions.device).unsqueeze(-1) * self.inv_freq
             emb = torch.cat([freqs, freqs], -1)
             table = (emb.cos().to(dtype), emb.sin().to(dtype))
-            self._rope_table = table
+            self.__dict__["_rope_table"] = table
         return table[0][positions].unsqueeze(1), table[1][positions].unsqueeze(1)
 
 
@@ -162,9 +167,9 @@ class HeadLayer(nn.Module):
             "down_proj": nn.Linear(c.intermediate_size, c.hidden_size, bias=False),
         })
 
-    def forward(self, x, positions, visible, kv):
+    def forward(self, x, positions, visible, kv, max_position: int | None = None):
         """x [B, Q, H], positions [B, Q], visible [B, Q, S] bool (S = Q without a cache) or None
-        when every query sees every key. Plain tensor operations over stacked weights: a drafting
+        when every query sees every key; `max_position`: see `HeadAttention._rope`. Plain tensor operations over stacked weights: a drafting
         step is one or a few tokens, so its cost is the number of operations, and module calls and
         separate q / k / v and gate / up GEMMs were most of it (measured on a 2-core EPYC VM, a
         128-wide layer at one token: ~340 us through the submodules, ~210 us here). RoPE is
@@ -173,7 +178,7 @@ class HeadLayer(nn.Module):
         w = self._weights()
         B, Q, _ = x.shape
         h, g, d = attn.heads, attn.kv_heads, attn.dim
-        cos, sin = attn._rope(positions, x.dtype)  # [B, 1, Q, D] each
+        cos, sin = attn._rope(positions, x.dtype, max_position)  # [B, 1, Q, D] each
         qkv = F.linear(x, w["qkv"])
         qk = qkv[..., : (h + g) * d].reshape(B, Q, h + g, d).transpose(1, 2)
         qk = qk * cos + rotate_half(qk) * sin
@@ -194,9 +199,13 @@ class HeadLayer(nn.Module):
         from the live parameters at every call, so gradients reach them; with it off (drafting)
         detached and kept until a parameter changes (another tensor, dtype or device, or an
         in-place update such as an optimiser step, seen through the tensor's version counter)."""
-        a, m = self.self_attn, self.mlp
-        params = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight, m["gate_proj"].weight,
-                  m["up_proj"].weight, m["down_proj"].weight, self.post_attention_layernorm.weight)
+        # The registries themselves (what attribute access reads, minus nn.Module.__getattr__'s
+        # cost): always the current submodules and parameters.
+        sub = self._modules
+        a, m = sub["self_attn"]._modules, sub["mlp"]._modules
+        params = tuple(mod._parameters["weight"] for mod in (
+            a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"], m["gate_proj"], m["up_proj"], m["down_proj"],
+            sub["post_attention_layernorm"]))
 
         def stack(q, k, v, o, gate, up, down, norm):
             return {"qkv": torch.cat([q, k, v]), "o": o, "gate_up": torch.cat([gate, up]), "down": down, "norm": norm}
@@ -224,9 +233,9 @@ class EagleHead(nn.Module):
         """[B, Q, H] token embeddings + [B, Q, H] features -> the decoder layer's input."""
         return self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], -1))
 
-    def decode(self, x, positions, visible, kv: RaggedKV | None = None) -> torch.Tensor:
+    def decode(self, x, positions, visible, kv: RaggedKV | None = None, max_position: int | None = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, positions, visible, kv)
+            x = layer(x, positions, visible, kv, max_position)
         return x
 
     def prepare(self, next_tokens, embeds, hidden, mask):
@@ -406,6 +415,7 @@ class EagleHeadDrafter:
         region = (2 * cfg.depth + cfg.depth * cfg.top_k) if cfg else 3 * self.num_draft_tokens
         self._max_slots = input_ids.shape[1] + max_new_tokens + region + 4
         self.kv = None
+        self._shift_max = None  # host bound of pos_shift, set by _prefill_head
         self._deferred = False
         self._after_plain = False
         self.draft_calls = 0
@@ -510,6 +520,9 @@ class EagleHeadDrafter:
         self.kv.scrub_padding()  # SYNC: once per request; marks an unpadded batch (mask-free chain steps)
         self.draft_calls += 1
         self.pos_shift = positions[:, -1] - attention.q_pos[:, -1]  # kept positions vs cache slots
+        lo, hi = (int(v) for v in torch.aminmax(self.pos_shift))  # SYNC: once per request
+        # Later steps' RoPE positions are q_pos + pos_shift with q_pos <= kv_len - 1: a host bound.
+        self._shift_max = hi if lo >= 0 else None
         return out[:, -1]
 
     def _set_state(self, state):
@@ -522,7 +535,8 @@ class EagleHeadDrafter:
         x = self._fuse(self.embed(tokens), hidden.to(self._dtype))
         self.draft_calls += 1
         visible = None if attention.full else attention.dense()
-        return self.head.decode(x, attention.q_pos + self.pos_shift.unsqueeze(1), visible, self.kv)
+        bound = None if self._shift_max is None else self.kv.kv_len - 1 + self._shift_max
+        return self.head.decode(x, attention.q_pos + self.pos_shift.unsqueeze(1), visible, self.kv, bound)
 
     def _catch_up(self, roots):
         B, P = self.pending_tokens.shape

@@ -151,10 +151,10 @@ class RaggedKV:
             # One new token per row over equal-length unpadded rows that sees the whole
             # uncommitted region (a plain decoding step, or a chain drafter's next token):
             # everything is visible.
-            self.write_rows = torch.arange(B, device=device).unsqueeze(1)
-            self.write_slots = self.length.unsqueeze(1)
+            # Every row writes slot `write_slice[0]` (equal lengths): a slice, no scatter.
+            self.write_rows = self.write_slots = None
             q_pos = self.next_pos.unsqueeze(1) + depth
-            self.slot_pos[self.write_rows, self.write_slots] = q_pos
+            self.slot_pos[:, kv_len - 1: kv_len] = q_pos
             self.kv_len, self.past_len = kv_len, kv_len - Q
             visible = torch.ones(B, Q, kv_len, dtype=torch.bool, device=device)
             return Attention(visible=visible, key_padding=None, q_pos=q_pos, slot_pos=self.slot_pos[:, :kv_len],

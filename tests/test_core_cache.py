@@ -64,3 +64,28 @@ def test_select_rows_keeps_the_right_rows(target):
     for i, b in enumerate([2, 0]):
         row = torch.cat([ids[b][mask[b].bool()], torch.tensor([11 + i])]).unsqueeze(0)
         torch.testing.assert_close(got[i], target(input_ids=row).logits[0, -1], rtol=1e-9, atol=1e-9)
+
+
+def test_mask_free_chain_step_records_its_position_at_the_slot_it_writes():
+    """A chain step that sees the whole uncommitted region (T > 0 tokens already in it) writes
+    its keys at slot length + T; its logical position must be recorded at that slot (sliding-
+    window masks read slot positions), and the committed slots must keep theirs."""
+    from mmspec.ragged import RaggedKV
+
+    B, L = 2, 5
+    kv = RaggedKV(1, torch.ones(B, L, dtype=torch.long), 32)
+    kv.plan_prefill(torch.ones(B, L, dtype=torch.long))
+    kv.update(0, torch.zeros(B, 1, L, 2), torch.zeros(B, 1, L, 2))
+    kv.scrub_padding()
+    before = kv.slot_pos[:, :L].clone()
+    for T in range(3):  # three chain tokens, each seeing the region before it
+        vis = torch.ones(B, 1, T + 1, dtype=torch.bool)
+        att = kv.plan(torch.full((B, 1), T), vis, T, sees_region=True)
+        assert att.full and kv.write_slice == (L + T, L + T + 1)
+        k, _ = kv.update(0, torch.full((B, 1, 1, 2), float(T + 1)), torch.zeros(B, 1, 1, 2))
+        assert torch.equal(k[:, 0, L + T], torch.full((B, 2), float(T + 1)))
+        assert torch.equal(att.q_pos, torch.full((B, 1), L + T))
+        assert torch.equal(kv.slot_pos[:, L + T], torch.full((B,), L + T)), (T, kv.slot_pos[:, : L + 3])
+    assert torch.equal(kv.slot_pos[:, :L], before)
+    # the dense view of the last step (what a sliding-window mask starts from) sees every slot
+    assert bool(att.dense().all()) and att.dense().shape == (B, 1, L + 3)

@@ -388,10 +388,14 @@ def test_rope_table_equals_direct_angles():
                                         num_key_value_heads=4, vocab_size=10))
     for dtype, positions in ((torch.float64, torch.tensor([[0, 5, 255]])), (torch.float64, torch.tensor([[3, 700, 1]])),
                              (torch.float32, torch.tensor([[9, 1000]]))):
-        cos, sin = att._rope(positions, dtype)
         freqs = positions.unsqueeze(-1).double() * att.inv_freq
         emb = torch.cat([freqs, freqs], -1).unsqueeze(1)
-        assert cos.dtype == dtype and torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+        # without a bound (read from the positions) and with a caller's host bound (drafting
+        # steps), which may lie past the table's end and must grow it
+        for bound in (None, int(positions.max()), 3 * int(positions.max()) + 7):
+            cos, sin = att._rope(positions, dtype, bound)
+            assert cos.dtype == dtype and torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+    assert att._rope_table[0].shape[0] >= 3 * 1000 + 8
     with pytest.raises(ValueError, match="RoPE positions must be >= 0"):
         att._rope(torch.tensor([[3, -1]]), torch.float64)
 
@@ -450,3 +454,33 @@ def test_inference_layer_equals_module_forward_and_follows_weight_updates():
     for got in both():
         torch.testing.assert_close(got, ref2, rtol=1e-12, atol=1e-12)
     assert (ref2 - ref).abs().max() > 1e-3  # the update changed the output, and the layer followed it
+
+
+def test_embed_and_head_called_as_functions_equal_the_modules_and_respect_hooks():
+    """`HFSpec.embed` / `head` call a plain nn.Embedding / nn.Linear as their functions: the
+    same values as the modules, in-place weight updates seen; a module with a hook (or a
+    subclass) is called as the module, so the hook runs."""
+    from mmspec.models.hf_spec import _plain_call
+
+    torch.manual_seed(0)
+    emb, lin = torch.nn.Embedding(11, 6, padding_idx=0), torch.nn.Linear(6, 11)
+    tokens, x = torch.tensor([[0, 3, 10]]), torch.randn(2, 3, 6)
+    fe, fl = _plain_call(emb), _plain_call(lin)
+    assert fe is not emb and fl is not lin
+    assert torch.equal(fe(tokens), emb(tokens)) and torch.equal(fl(x), lin(x))
+    with torch.no_grad():
+        emb.weight.mul_(2.0)
+        lin.bias.add_(1.0)
+    assert torch.equal(fe(tokens), emb(tokens)) and torch.equal(fl(x), lin(x))
+    seen = []
+    lin.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert _plain_call(lin) is lin
+    _plain_call(lin)(x)
+    assert seen == [x.shape[:-1] + (11,)]
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, t):
+            return super().forward(t) * 3
+
+    scaled = Scaled(11, 6)
+    assert _plain_call(scaled) is scaled

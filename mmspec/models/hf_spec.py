@@ -76,11 +76,15 @@ class HFSpec(ForwardSpec):
         return self._io_modules()[1](hidden)
 
     def _io_modules(self):
-        """(input embedding, output embedding) of the model, looked up once per request (a
-        drafter calls `embed` / `head` several times per step; the lookup walks VLM wrappers)."""
+        """(input embedding, output embedding) of the model as callables, looked up once per
+        request (a drafter calls `embed` / `head` several times per step; the lookup walks VLM
+        wrappers). A plain `nn.Embedding` / `nn.Linear` without hooks is called as the function
+        its forward is (the same kernel on the same parameter, read at call time), sparing the
+        module-call machinery; anything else (a subclass, hooks, a packed view) as the module."""
         io = self._io
         if io is None or io[0] is not self.model:
-            io = self._io = (self.model, self.model.get_input_embeddings(), self.model.get_output_embeddings())
+            io = self._io = (self.model, _plain_call(self.model.get_input_embeddings()),
+                             _plain_call(self.model.get_output_embeddings()))
         return io[1], io[2]
 
     # ---- per request ---------------------------------------------------------------------------
@@ -255,3 +259,20 @@ def _window_plan(config, model):
     # builds a sliding-window mask (Mistral, Phi-3); otherwise the field is unused.
     source = inspect.getsource(type(model.get_decoder() if hasattr(model, "get_decoder") else model))
     return int(window) if "create_sliding_window_causal_mask" in source else None
+
+
+def _plain_call(module):
+    """`module`'s forward as a function of its input when it is exactly an `nn.Embedding`
+    without max_norm or an `nn.Linear`, and carries no hooks; else the module itself."""
+    import torch.nn.functional as F
+    from torch.nn.modules import module as nn_module
+
+    if module is None or module._forward_hooks or module._forward_pre_hooks or nn_module._global_forward_hooks \
+            or nn_module._global_forward_pre_hooks:
+        return module
+    params = module._parameters
+    if type(module) is torch.nn.Embedding and module.max_norm is None:
+        return lambda tokens: F.embedding(tokens, params["weight"], module.padding_idx)
+    if type(module) is torch.nn.Linear:
+        return lambda x: F.linear(x, params["weight"], params["bias"])
+    return module
