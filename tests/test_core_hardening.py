@@ -90,7 +90,8 @@ def test_prefix_lm_token_type_ids_are_honoured():
 
 
 @pytest.mark.parametrize("bad", [{"do_sample": False}, {"temprature": 0}, {"max_length": 10},
-                                 {"pixel_values": torch.zeros(1, 3, 8, 8)}, {"past_key_values": None}])
+                                 {"pixel_values": torch.zeros(1, 3, 8, 8)}, {"past_key_values": None},
+                                 {"cache": None}])
 def test_unknown_or_reserved_keyword_arguments_are_refused(target, weak_drafter, bad):
     ids, mask = left_padded([4, 3])
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -195,3 +196,44 @@ def test_protocol_gaps_are_named(target):
         mmspec.speculative_generate(target, NoVocab(), torch.tensor([[3, 4]]))
     with pytest.raises(ValueError, match="eos_token_id"):
         mmspec.speculative_generate(target, ModelDrafter(target, 2), torch.tensor([[3, 4]]), eos_token_id=True)
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    """transformers 5.24 renamed the models' `past_key_values` argument to `cache` (the old name
+    goes through a deprecation shim until 5.40): mmspec passes the cache under the name the
+    forward declares, seen through decorators that keep `__wrapped__`."""
+    import functools
+
+    from mmspec.models.hf_cache import cache_argument
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=False):
+            return input_ids
+
+    def shim(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if "past_key_values" in kwargs:
+                kwargs["cache"] = kwargs.pop("past_key_values")
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    class New(torch.nn.Module):
+        @shim
+        def forward(self, input_ids, cache=None, use_cache=False):
+            return input_ids
+
+    class Neither(torch.nn.Module):
+        def forward(self, x, **kwargs):
+            return x
+
+    assert cache_argument(Old()) == "past_key_values"
+    assert cache_argument(New()) == "cache"
+    assert cache_argument(Neither()) == "past_key_values"
+    import transformers
+    from packaging.version import Version
+
+    expected = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+    assert cache_argument(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))) == expected

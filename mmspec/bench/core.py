@@ -102,6 +102,8 @@ def _replay(models: dict, ids, mask, log):
     `efficiency = replay time / measured time`."""
     from transformers import DynamicCache
 
+    from mmspec.models.hf_cache import cache_argument
+
     vocab = min(m.config.vocab_size for m in models.values())
     width = max(w for _, _, w in log)
     new = torch.randint(3, vocab, (ids.shape[0], width), generator=torch.Generator().manual_seed(0))
@@ -114,7 +116,8 @@ def _replay(models: dict, ids, mask, log):
                 continue
             if (name, b) not in caches:
                 cache = DynamicCache(config=models[name].config)
-                models[name](input_ids=ids[:b], attention_mask=mask[:b], past_key_values=cache, use_cache=True)
+                models[name](input_ids=ids[:b], attention_mask=mask[:b], use_cache=True,
+                             **{cache_argument(models[name]): cache})
                 caches[name, b] = cache
             plan.append((models[name], caches[name, b], b, w))
 
@@ -124,7 +127,7 @@ def _replay(models: dict, ids, mask, log):
             if cache is None:
                 model(input_ids=ids[:b], attention_mask=mask[:b])
             else:
-                model(input_ids=new[:b, :w], past_key_values=cache, use_cache=True)
+                model(input_ids=new[:b, :w], use_cache=True, **{cache_argument(model): cache})
                 cache.crop(-w)  # transformers 5.x: a negative count of tokens to drop
         return None
 

@@ -14,10 +14,29 @@ and prefix-LM / `token_type_ids` variants included).
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from mmspec.ragged import RaggedKV
+
+
+def cache_argument(module) -> str:
+    """The keyword under which `module`'s forward takes the KV cache: `cache` from transformers
+    5.24 on (its models still accept `past_key_values` through a deprecation shim, to be removed
+    in 5.40), `past_key_values` before."""
+    return _cache_argument(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(cls) -> str:
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class RaggedLayer(CacheLayerMixin):

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from mmspec.models.hf_cache import cache_argument
+
 # model_type -> (CausalLM class name, base model class name), checked by exact type name so that
 # a subclass with its own forward never takes this path.
 DIRECT_FAMILIES = {
@@ -124,10 +126,12 @@ class DirectDecoder:
         position_embeddings = base.rotary_emb(hidden, position_ids=positions)
         wanted = {i % self.num_layers for i in hidden_layers}
         layers: dict[int, torch.Tensor] = {}
+        cache_kw = None
         for i, layer in enumerate(base.layers[: self.num_layers]):
             layer_mask = mask[self.layer_types[i]] if isinstance(mask, dict) else mask
+            cache_kw = cache_kw or {cache_argument(layer): cache}
             hidden = layer(hidden, attention_mask=layer_mask, position_embeddings=position_embeddings,
-                           position_ids=positions, past_key_values=cache, use_cache=True)
+                           position_ids=positions, use_cache=True, **cache_kw)
             if i in wanted:
                 layers[i] = hidden
         hidden = base.norm(hidden)

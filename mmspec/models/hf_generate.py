@@ -36,8 +36,9 @@ from mmspec.engine import speculative_generate
 _WARPER_ORDER = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # mmspec.process_logits order
 _ALLOWED_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}
 # generate() prepares these for its own loop; the speculative loop manages its own cache.
-_DROPPED_KWARGS = {"use_cache", "logits_to_keep", "past_key_values", "cache_position", "output_attentions", "output_hidden_states",
+_DROPPED_KWARGS = {"use_cache", "logits_to_keep", "past_key_values", "cache", "cache_position", "output_attentions", "output_hidden_states",
                    "return_dict_in_generate", "position_ids"}
+_CACHE_KWARGS = ("past_key_values", "cache")
 _OUTPUT_FLAGS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -184,13 +185,14 @@ def speculative_decoding(
     if synced_gpus:
         raise ValueError("synced_gpus=True is not supported by the speculative loop (rows finish at different "
                          "steps on each rank); call generate without custom_generate for multi-GPU ZeRO-3 runs")
-    pkv = model_kwargs.get("past_key_values")
-    if pkv is not None and _cached_length(pkv) > 0:
-        raise ValueError(
-            f"past_key_values already holds {_cached_length(pkv)} cached tokens; the speculative loop builds its own "
-            "cache from the whole prompt and cannot continue a transformers cache: pass the full input_ids without "
-            "past_key_values"
-        )
+    for name in _CACHE_KWARGS:  # transformers >= 5.24 calls it `cache`
+        pkv = model_kwargs.get(name)
+        if pkv is not None and _cached_length(pkv) > 0:
+            raise ValueError(
+                f"{name} already holds {_cached_length(pkv)} cached tokens; the speculative loop builds its own "
+                "cache from the whole prompt and cannot continue a transformers cache: pass the full input_ids "
+                f"without {name}"
+            )
     cfg = generation_config
     _check_mode(cfg)
     temperature, top_k, top_p = _sampling_from_processors(logits_processor, bool(cfg.do_sample))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mmspec.models.hf_cache import RaggedCache
+from mmspec.models.hf_cache import RaggedCache, cache_argument
 from mmspec.models.hf_direct import DirectDecoder, check_layer_range, direct_supported
 from mmspec.ragged import Attention, RaggedKV
 from mmspec.spec import ForwardSpec, SpecOutput
@@ -95,6 +95,9 @@ class HFSpec(ForwardSpec):
         # model (hooks added, head replaced, train/eval switched since the last call).
         self.model = refresh(self.model)
         self._io = None  # embeddings may have been replaced since the last request
+        reserved = sorted(set(model_inputs) & _RESERVED)
+        if reserved:
+            raise ValueError(f"model inputs {reserved} are managed by mmspec's loop; do not pass them")
         unknown = sorted(k for k in model_inputs if k not in self.forward_params)
         if unknown:
             raise ValueError(
@@ -102,9 +105,6 @@ class HFSpec(ForwardSpec):
                 "options such as 'temprature' land here too: the speculative options are keyword arguments of "
                 "speculative_generate)"
             )
-        reserved = sorted(set(model_inputs) & _RESERVED)
-        if reserved:
-            raise ValueError(f"model inputs {reserved} are managed by mmspec's loop; do not pass them")
 
     # ---- forwards -----------------------------------------------------------------------------------
     def prefill(self, input_ids, attention: Attention, kv: RaggedKV, model_inputs, features) -> SpecOutput:
@@ -176,8 +176,8 @@ class HFSpec(ForwardSpec):
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_argument(self.model): cache},
                 logits_to_keep=keep,
                 **model_inputs,
             )
@@ -232,7 +232,7 @@ class HFSpec(ForwardSpec):
         return handles
 
 
-_RESERVED = {"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+_RESERVED = {"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "logits_to_keep",
              "cache_position", "inputs_embeds"}
 
 
