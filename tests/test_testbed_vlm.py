@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec.testbed.vlm_eval import caption_correct, caption_pairs, vqa_correct
+from mmspec.testbed.vlm_eval import caption_correct, caption_error, caption_pairs, question_kind, vqa_correct
 from mmspec.testbed.world import World
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
@@ -38,6 +38,31 @@ def test_every_grammar_caption_is_correct_and_a_swapped_colour_is_not():
     assert swapped >= 10  # the planted errors were actually exercised
     assert caption_pairs("a disc in crimson next to a round shape coloured azure") == [("red", "circle"),
                                                                                       ("blue", "circle")]
+
+
+def test_caption_errors_are_classified_by_kind():
+    attrs = {"objects": [{"colour": "red", "shape": "circle"}, {"colour": "blue", "shape": "square"}]}
+    assert caption_error("a red circle and a blue square", attrs) is None
+    assert caption_error("a blue square next to a disc in crimson", attrs) is None
+    assert caption_error("a red circle", attrs) == "count"
+    assert caption_error("a red circle and a blue square and a red square", attrs) == "count"
+    assert caption_error("a red square and a blue circle", attrs) == "pairing"
+    assert caption_error("a red circle and a blue circle", attrs) == "shape"
+    assert caption_error("a red circle and a red square", attrs) == "colour"
+    assert caption_error("a green circle and a blue triangle", attrs) == "colour+shape"
+    assert caption_error("a red circle and blue", attrs) == "unpaired"
+
+
+def test_every_world_question_has_its_template_kind():
+    from collections import Counter
+
+    scenes = World(seed=0, split="validation").sample(200)
+    kinds = Counter(question_kind(q) for s in scenes for q, _ in s.qa)
+    assert set(kinds) == {"colour", "shape", "count", "position", "exists"}, kinds
+    assert question_kind("what colour is the disc ?") == "colour"
+    assert question_kind("is there an orange square ?") == "exists"
+    assert question_kind("is the red disc above or below the blue square ?") == "position"
+    assert question_kind("what is the meaning of life ?") == "other"
 
 
 def test_vqa_check_takes_any_valid_phrasing_only():

@@ -7,7 +7,15 @@
 - ``caption_correct(text, attrs)``: the caption's pairs equal the scene's objects as a
   multiset (every object named with its own colour and shape, nothing extra, nothing missed).
 - ``vqa_correct(answer, valid)``: the answer is one of the scene's valid phrasings.
-- ``evaluate(pipe, scenes)``: both rates through a ``SpeculativeVLMPipeline`` (plain greedy).
+- ``caption_error(text, attrs)``: why a caption fails (None when it is right): ``unpaired``
+  (the mentions do not pair up), ``count`` (a wrong number of objects), ``shape``, ``colour``,
+  ``colour+shape`` (the right number of objects, the named shapes / colours not the scene's as
+  multisets) or ``pairing`` (right colours and shapes, paired wrong).
+- ``question_kind(question)``: which of the grammar's question templates asked it (``colour``,
+  ``shape``, ``count``, ``position``, ``exists``; ``other`` for a question of no template).
+- ``evaluate(pipe, scenes)``: both rates through a ``SpeculativeVLMPipeline`` (plain greedy),
+  with captions split by the scene's number of objects and by error kind, answers by question
+  kind.
 
 Limits: the check reads colour and shape only (sizes, positions, backgrounds in captions are
 not checked); an answer phrased validly but not in the scene's list counts as wrong.
@@ -15,9 +23,11 @@ not checked); an answer phrased validly but not in the scene's list counts as wr
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
+from mmspec.testbed import language
 from mmspec.testbed.language import COLOUR_WORDS, SHAPE_WORDS
 
 _COLOUR_OF = {w: c for c, words in COLOUR_WORDS.items() for w in words}
@@ -63,6 +73,43 @@ def caption_correct(text: str | None, attrs: dict[str, Any]) -> bool:
     return Counter(pairs) == Counter((o["colour"], o["shape"]) for o in attrs["objects"])
 
 
+def caption_error(text: str | None, attrs: dict[str, Any]) -> str | None:
+    """The kind of a caption's error (module docstring), None when the caption is right."""
+    pairs = caption_pairs(text or "")
+    if pairs is None:
+        return "unpaired"
+    objects = attrs["objects"]
+    if Counter(pairs) == Counter((o["colour"], o["shape"]) for o in objects):
+        return None
+    if len(pairs) != len(objects):
+        return "count"
+    colours_ok = Counter(c for c, _ in pairs) == Counter(o["colour"] for o in objects)
+    shapes_ok = Counter(s for _, s in pairs) == Counter(o["shape"] for o in objects)
+    if colours_ok and shapes_ok:
+        return "pairing"
+    return "shape" if colours_ok else "colour" if shapes_ok else "colour+shape"
+
+
+def _template_pattern(template: str) -> re.Pattern:
+    parts = re.split(r"\{\w+\}", template)
+    return re.compile(".+".join(re.escape(p) for p in parts) + r"\Z")
+
+
+_QUESTION_KINDS = [(kind, [_template_pattern(t) for t in templates]) for kind, templates in (
+    ("colour", language.Q_COLOUR), ("shape", language.Q_SHAPE), ("count", language.Q_COUNT),
+    ("position", language.Q_HORIZONTAL + language.Q_VERTICAL + language.Q_LEFT_YN),
+    ("exists", tuple(t.replace("a {colour}", "{article} {colour}") for t in language.Q_EXISTS)))]
+
+
+def question_kind(question: str) -> str:
+    """The grammar template kind of `question` (module docstring)."""
+    q = " ".join(question.lower().split())
+    for kind, patterns in _QUESTION_KINDS:
+        if any(p.match(q) for p in patterns):
+            return kind
+    return "other"
+
+
 def vqa_correct(answer: str | None, valid: list[str]) -> bool:
     norm = lambda s: " ".join((s or "").lower().split())
     return norm(answer) in {norm(v) for v in valid}
@@ -79,12 +126,25 @@ def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, pr
         imgs = images[start:start + batch_size]
         captions += pipe(imgs, None, max_new_tokens=max_new_tokens, speculative=False).texts
         answers += pipe(imgs, [s.qa[0][0] for s in chunk], max_new_tokens=max_new_tokens, speculative=False).texts
-    cap_ok = [caption_correct(t, s.attributes) for t, s in zip(captions, scenes)]
+    errors = [caption_error(t, s.attributes) for t, s in zip(captions, scenes)]
+    cap_ok = [e is None for e in errors]
     vqa_ok = [vqa_correct(a, s.qa[0][1]) for a, s in zip(answers, scenes)]
+
+    def split(keys, oks):
+        table: dict[str, list[int]] = {}
+        for key, ok in zip(keys, oks):
+            row = table.setdefault(str(key), [0, 0])
+            row[0] += int(ok)
+            row[1] += 1
+        return dict(sorted(table.items()))
+
     return {
         "scenes": len(scenes),
         "caption_correct": sum(cap_ok) / max(len(scenes), 1),
         "vqa_accuracy": sum(vqa_ok) / max(len(scenes), 1),
+        "caption_by_objects": split([len(s.attributes["objects"]) for s in scenes], cap_ok),  # [right, scenes]
+        "caption_errors": dict(sorted(Counter(e for e in errors if e is not None).items())),
+        "vqa_by_kind": split([question_kind(s.qa[0][0]) for s in scenes], vqa_ok),  # [right, questions]
         "examples": [{"caption": c, "caption_ok": ok, "question": s.qa[0][0], "answer": a, "answer_ok": aok}
                      for c, ok, a, aok, s in list(zip(captions, cap_ok, answers, vqa_ok, scenes))[:8]],
     }
