@@ -16,7 +16,7 @@ from mmspec.testbed.world import World
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
 TINY = ["--n-train", "32", "--n-val", "4", "--tower-steps", "2", "--tower-layers", "1", "--lm-steps", "3",
-        "--lm-layers", "1", "--lm-batch", "8", "--drafter-images", "4", "--drafter-steps", "2", "--drafter-batch", "4",
+        "--lm-layers", "1", "--lm-batch", "8", "--tune-steps", "2", "--drafter-images", "4", "--drafter-steps", "2", "--drafter-batch", "4",
         "--accept-scenes", "2", "--max-new-tokens", "6", "--answer-tokens", "6", "--no-progress"]
 
 
@@ -90,7 +90,7 @@ def test_train_vlm_tiny_folder_loads_and_speculative_equals_plain(tiny_run):
 
     metrics = json.loads((tiny_run / "metrics.json").read_text())
     log = json.loads((tiny_run / "train_log.json").read_text())
-    assert {"data", "tower", "lm", "text", "eagle", "vispec", "eval"} <= set(metrics)
+    assert {"data", "tower", "lm", "tune", "text", "eagle", "vispec", "eval"} <= set(metrics)
     assert len(log["lm"]) >= 1 and all(torch.isfinite(torch.tensor(r["loss"])) for r in log["lm"])
     assert metrics["eval"]["default_drafter"] in ("text", "eagle", "vispec")
     with safe_open(str(next((tiny_run / "target").glob("*.safetensors"))), "pt") as f:

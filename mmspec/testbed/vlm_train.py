@@ -21,9 +21,14 @@ What (``mmspec testbed train-vlm --out DIR``), in stages that each save their re
    rate x ``lm_tower_lr_scale``): the frozen part's output is computed once and cached, so a
    step costs those layers + projector + LM. The pipeline folder (target + ``LlavaProcessor``
    with the word-level tokenizer and a chat template) is saved.
-4. ``text`` / ``eagle`` / ``vispec``: the drafters, by ``mmspec train-drafter``'s own code
+4. ``tune``: ``tune_steps`` more steps from the LM stage's model (kept as ``pipeline_lm``) with
+   half the Q/A examples existence questions, learning rate ``tune_lr`` decaying to 0
+   (``mmspec.testbed.vlm_tune``: the LM stage alone answered every existence question "yes").
+   ``--tune-from DIR`` tunes a saved pipeline instead (how the session-17 bundle was made from
+   the session-14 one); ``--tune-steps 0`` skips the stage.
+5. ``text`` / ``eagle`` / ``vispec``: the drafters, by ``mmspec train-drafter``'s own code
    (``pipelines.train_drafter``: the target's regenerated answers, online distillation).
-5. ``eval``: caption correctness and VQA accuracy on ``n_val`` validation scenes
+6. ``eval``: caption correctness and VQA accuracy on ``n_val`` validation scenes
    (``mmspec.testbed.vlm_eval``), each drafter's mean accepted length on ``accept_scenes``
    validation scenes (captions and questions, greedy, speculative == plain checked); the
    drafter with the highest mean accepted length becomes the default; the pipeline is saved to
@@ -58,8 +63,9 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.testbed.vlm_tower import scene_labels, stage_tower
+from mmspec.testbed.vlm_tune import stage_tune
 
-STAGES = ("data", "tower", "lm", "text", "eagle", "vispec", "eval")
+STAGES = ("data", "tower", "lm", "tune", "text", "eagle", "vispec", "eval")
 DRAFTERS = ("text", "eagle", "vispec")
 CAPTION_PROMPT = "what is in the image ?"
 CHAT_TEMPLATE = ("{% for message in messages %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
@@ -101,6 +107,11 @@ class VLMTrainConfig:
     warmup: int = 60
     caption_fraction: float = 0.5
     caption_order: str = "main_first"  # order of objects in training captions (language.CAPTION_ORDERS)
+    # look-up tuning (vlm_tune.py; 0 steps = skip)
+    tune_steps: int = 2000
+    tune_lr: float = 5e-4
+    tune_exists_fraction: float = 0.5  # share of the Q/A examples drawn from existence questions
+    tune_from: str = ""  # a saved pipeline to tune instead of the LM stage's model
     # drafters (pipelines.train_drafter)
     drafter_images: int = 1024
     drafter_steps: int = 2000
@@ -125,6 +136,9 @@ class VLMTrainConfig:
             raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
         if not 0 <= self.lm_tower_layers <= self.tower_layers:
             raise ValueError(f"lm_tower_layers={self.lm_tower_layers}: must be in [0, tower_layers={self.tower_layers}]")
+        if self.tune_steps < 0 or self.tune_lr <= 0 or not 0 <= self.tune_exists_fraction <= 1:
+            raise ValueError(f"tune_steps={self.tune_steps} must be >= 0, tune_lr={self.tune_lr} > 0 and "
+                             f"tune_exists_fraction={self.tune_exists_fraction} in [0, 1]")
         if self.lm_shape_weight <= 0 or self.lm_tower_lr_scale < 0 or self.tower_object_weight < 0:
             raise ValueError(f"lm_shape_weight={self.lm_shape_weight} must be > 0, lm_tower_lr_scale="
                              f"{self.lm_tower_lr_scale} and tower_object_weight={self.tower_object_weight} >= 0")
@@ -397,8 +411,9 @@ def stage_lm(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
         raise RuntimeError("the LM stage's cached tower states do not reproduce the tower's features")
     model.cpu()
     pipe = SpeculativeVLMPipeline(model, processor, caption_prompt=CAPTION_PROMPT)
-    if (work / "pipeline").exists():
-        shutil.rmtree(work / "pipeline")
+    for old in (work / "pipeline", work / "pipeline_lm"):  # pipeline_lm: the tune stage's copy of an older run
+        if old.exists():
+            shutil.rmtree(old)
     pipe.save_pretrained(work / "pipeline")
     return {"final_train_loss": log["lm"][-1]["loss"],
             "parameters": {"vision_tower": sum(p.numel() for p in model.model.vision_tower.parameters()),
@@ -509,6 +524,8 @@ def run(cfg: VLMTrainConfig, out: str | Path, stages=STAGES, work: str | Path | 
             result = stage_tower(cfg, work, log)
         elif stage == "lm":
             result = stage_lm(cfg, work, log)
+        elif stage == "tune":
+            result = stage_tune(cfg, work, log)
         elif stage in DRAFTERS:
             result = stage_drafter(cfg, work, log, stage)
         else:
