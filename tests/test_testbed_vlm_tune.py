@@ -58,7 +58,14 @@ def test_tune_stage_keeps_the_lm_model_and_reruns_from_it(tmp_path):
 
     out, work = tmp_path / "vlm", tmp_path / "work"
     args = ["testbed", "train-vlm", "--out", str(out), "--work", str(work), *TINY]
-    assert main([*args, "--stages", "data,tower,lm,tune"]) == 0
+    stale = work / "drafter_data.pt"  # drafter data regenerated from an older target must not survive
+    work.mkdir()
+    stale.write_bytes(b"old target")
+    assert main([*args, "--stages", "data,tower,lm"]) == 0
+    assert not stale.exists()
+    stale.write_bytes(b"old target")
+    assert main([*args, "--stages", "tune"]) == 0
+    assert not stale.exists()
     first = json.loads((work / "metrics.json").read_text())["tune"]
     assert first["steps"] == 3 and first["source"].endswith("pipeline_lm")
     log = json.loads((work / "train_log.json").read_text())["tune"]
@@ -74,7 +81,9 @@ def test_tune_stage_keeps_the_lm_model_and_reruns_from_it(tmp_path):
     again = json.loads((work / "train_log.json").read_text())["tune"]
     assert again[0]["loss"] == log[0]["loss"]
     # 0 steps: the drafters and eval read the LM stage's model unchanged
+    stale.write_bytes(b"old target")
     assert main([*args, "--stages", "tune", "--tune-steps", "0"]) == 0
+    assert not stale.exists()
     plain = _weights(work / "pipeline")
     assert all(torch.equal(lm[k], plain[k]) for k in lm)
     with pytest.raises(FileNotFoundError, match="not a saved pipeline"):

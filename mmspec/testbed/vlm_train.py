@@ -415,6 +415,7 @@ def stage_lm(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
         if old.exists():
             shutil.rmtree(old)
     pipe.save_pretrained(work / "pipeline")
+    (work / "drafter_data.pt").unlink(missing_ok=True)  # an older target's answers: the drafters regenerate them
     return {"final_train_loss": log["lm"][-1]["loss"],
             "parameters": {"vision_tower": sum(p.numel() for p in model.model.vision_tower.parameters()),
                            "projector": sum(p.numel() for p in model.model.multi_modal_projector.parameters()),

@@ -70,6 +70,7 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
         if (work / "pipeline").exists():
             shutil.rmtree(work / "pipeline")
         shutil.copytree(source, work / "pipeline")
+        (work / "drafter_data.pt").unlink(missing_ok=True)  # answers of the target replaced here
         return {"steps": 0, "source": str(source)}
     loaded = SpeculativeVLMPipeline.from_pretrained(source, dtype=torch.float32)
     model, processor = loaded.target.to(cfg.device), loaded.processor
@@ -112,5 +113,6 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     if (work / "pipeline").exists():
         shutil.rmtree(work / "pipeline")
     pipe.save_pretrained(work / "pipeline")
+    (work / "drafter_data.pt").unlink(missing_ok=True)  # the untuned target's answers: the drafters regenerate them
     return {"steps": cfg.tune_steps, "source": str(source), "first_loss": log["tune"][0]["loss"],
             "final_train_loss": log["tune"][-1]["loss"]}
