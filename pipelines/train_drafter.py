@@ -5,7 +5,8 @@
 1. Data: images with prompts (a folder of images, optionally with the testbed's `scenes.jsonl`
    for questions; by default testbed scenes rendered on the fly), and the *target's own greedy
    answers* to them, regenerated once through the pipeline (as EAGLE / ViSpec do: the drafter
-   learns the target's distribution, not the dataset's). Only token ids are kept (`data.pt`).
+   learns the target's distribution, not the dataset's). Only token ids are kept (`data.pt`,
+   with the settings they were made for: a resume with other data settings is refused).
 2. Teacher signals are computed on the fly at every step (nothing stored): the target's
    final hidden states, its logits, and the decoder's input embeddings (image features merged),
    captured with forward hooks on the language model.
@@ -86,6 +87,22 @@ def regenerate(pipe, items, config: TrainDrafterConfig) -> list[dict]:
                      and k in pipe._spec_target.spec.forward_params}
             examples.append({"ids": ids, "prompt_len": int(enc["input_ids"].shape[1]), "inputs": extra})
     return examples
+
+
+def data_key(config: TrainDrafterConfig) -> dict:
+    """The settings that decide which answers `data.pt` holds (a resume must not reuse other ones)."""
+    return {"data": None if config.data is None else str(config.data), "num_images": config.num_images,
+            "answer_tokens": config.answer_tokens, "seed": config.seed}
+
+
+def load_data(path: Path, config: TrainDrafterConfig) -> list[dict]:
+    """`data.pt`'s examples; ValueError when they were regenerated for other settings."""
+    saved = torch.load(path, weights_only=False)
+    key = saved.get("key") if isinstance(saved, dict) else None
+    if key != data_key(config):
+        raise ValueError(f"{path} holds the target's answers for {key or 'unrecorded settings'}, not for "
+                         f"{data_key(config)}; delete it (or use another --out) to regenerate them")
+    return saved["examples"]
 
 
 def collate(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -239,10 +256,10 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
     pipe.target.to(config.device).requires_grad_(False)
     data_path = out / "data.pt"
     if data_path.is_file():
-        examples = torch.load(data_path, weights_only=False)
+        examples = load_data(data_path, config)
     else:
         examples = regenerate(pipe, data_items(config), config)
-        torch.save(examples, data_path)
+        torch.save({"key": data_key(config), "examples": examples}, data_path)
     drafter = new_drafter(pipe, config).to(config.device).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)

@@ -184,3 +184,14 @@ def test_shape_word_ids_are_the_grammar_shape_words():
     words = {tok.convert_ids_to_tokens(i) for i in shape_word_ids(tok)}
     assert words == {w.split()[0] for ws in SHAPE_WORDS.values() for w in ws}
     assert not words & {"shape", "red", "a", "the"}
+
+
+def test_train_vlm_regenerates_shared_drafter_data_for_other_settings(tiny_run):
+    from mmspec.cli import main
+
+    shared = tiny_run.with_name(tiny_run.name + "_work") / "drafter_data.pt"
+    assert len(torch.load(shared, weights_only=False)["examples"]) == 4
+    assert main(["testbed", "train-vlm", "--out", str(tiny_run), *TINY, "--drafter-images", "6",
+                 "--stages", "text"]) == 0
+    saved = torch.load(shared, weights_only=False)
+    assert saved["key"]["num_images"] == 6 and len(saved["examples"]) == 6

@@ -71,6 +71,8 @@ def test_train_checkpoint_resume_and_load(setup, tmp_path):
     assert spec.texts == plain.texts and spec.stats.drafted_nodes > 0
     with pytest.raises(ValueError, match="holds a 'eagle' drafter"):
         train_drafter(TrainDrafterConfig(out=str(tmp_path / "b"), steps=5, **{**common, "drafter": "vispec"}), pipe=pipe)
+    with pytest.raises(ValueError, match="holds the target's answers for .*'answer_tokens': 6"):
+        train_drafter(TrainDrafterConfig(out=str(tmp_path / "b"), steps=5, **{**common, "answer_tokens": 5}), pipe=pipe)
     with pytest.raises(ValueError, match="--drafter must be one of"):
         TrainDrafterConfig(pipeline="-", drafter="medusa", out="x")
 

@@ -435,7 +435,7 @@ def drafter_config(cfg: VLMTrainConfig, work: Path, kind: str):
 
 
 def stage_drafter(cfg: VLMTrainConfig, work: Path, log: dict, kind: str) -> dict:
-    from mmspec.pipelines.train_drafter import train_drafter
+    from mmspec.pipelines.train_drafter import load_data, train_drafter
 
     dc = drafter_config(cfg, work, kind)
     out = Path(dc.out)
@@ -444,7 +444,11 @@ def stage_drafter(cfg: VLMTrainConfig, work: Path, log: dict, kind: str) -> dict
     out.mkdir(parents=True)
     shared = work / "drafter_data.pt"  # the target's regenerated answers: the same for every drafter
     if shared.is_file():
-        shutil.copy(shared, out / "data.pt")
+        try:
+            load_data(shared, dc)
+            shutil.copy(shared, out / "data.pt")
+        except ValueError:  # regenerated for other --drafter-images / --answer-tokens: regenerate
+            shared.unlink()
     result = train_drafter(dc)
     if not shared.is_file():
         shutil.copy(out / "data.pt", shared)
