@@ -113,8 +113,8 @@ class VLMTrainConfig:
     tune_exists_fraction: float = 0.5  # share of the Q/A examples drawn from existence questions
     tune_from: str = ""  # a saved pipeline to tune instead of the LM stage's model
     # drafters (pipelines.train_drafter)
-    drafter_images: int = 1024
-    drafter_steps: int = 2000
+    drafter_images: int = 4096
+    drafter_steps: int = 4000
     drafter_batch: int = 8
     drafter_lr: float = 1e-3
     answer_tokens: int = 40

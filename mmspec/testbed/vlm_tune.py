@@ -14,9 +14,11 @@ answered "yes" to every existence question, on training scenes too (355 of 355 v
 questions, accuracy 52%): with them one question in six, 5000 steps never got it off the
 plateau where the answer ignores the image. Existence needs the LM to look an object up by a
 colour and a shape named in the question (synonyms included), not to describe the object it is
-at. Tuning the bundle for 2000 steps with half the Q/A examples existence questions: existence
-84.5% of 355, VQA on the first questions 77.5% (65.0% before), captions 74.5% (72.5%). The same
-mix on 4000 scenes overfitted (captions 69%): the stage uses the full training set.
+at. Tuning the bundle for 2000 steps with half the Q/A examples existence questions (a first,
+uncommitted script): existence 84.5% of 355, VQA on the first questions 77.5% (65.0% before),
+captions 74.5% (72.5%); this stage, with its own sample order, gave VQA 73.5% (existence
+60/66 first questions) and captions 73.0%, the bundled model. The same mix on 4000 scenes
+overfitted (captions 69%): the stage uses the full training set.
 
 Limits: the mix is tuned to the default world's grammar (``language.Q_EXISTS``); another
 grammar needs its own look-up templates in ``vlm_eval.question_kind``.
