@@ -5,14 +5,14 @@ What (``mmspec testbed train-vlm --out DIR``), in stages that each save their re
 
 1. ``data``: ``n_train`` training and ``n_val`` validation scenes of the default world (1-3
    objects, all backgrounds), preprocessed once by the model's own ``CLIPImageProcessor``
-   (64 px -> 60 px, patch 10: 6 x 6 = 36 visual tokens by default; ``--image-size 64
-   --patch-size 8`` keeps the scenes unresampled, 64 tokens), with per-patch labels,
+   (64 px scenes unresampled, patch 8: 8 x 8 = 64 visual tokens by default; the first
+   bundle used ``--image-size 60 --patch-size 10``, 36 tokens), with per-patch labels,
    per-object coverage masks and classes, and per-scene labels (present colour x shape pairs,
    object count), all read off the scene attributes (``mmspec.testbed.vlm_tower``).
 2. ``tower``: a ``CLIPVisionModel`` (the LLaVA vision tower) pretrained on those labels
    (``vlm_tower.stage_tower``): per-patch classes, presence and count, and (weight
-   ``tower_object_weight``, off by default) per-object classes from the object's pooled patches,
-   on the features LLaVA reads (last layer, CLS dropped).
+   ``tower_object_weight``, 1 by default, 0 = off) per-object classes from the object's pooled
+   patches, on the features LLaVA reads (last layer, CLS dropped).
 3. ``lm``: ``LlavaForConditionalGeneration`` (that tower, a 2-layer GELU projector, a Llama LM
    that is deeper than wide) trained teacher-forced on captions and Q/A sampled from the
    world's grammar (several valid phrasings each, so the model's next-token distribution is
@@ -40,10 +40,8 @@ the world's labels (it learns *where* each coloured shape is, not only the main 
 frozen with cached features (the LM stage pays little for vision), and a narrow deep LM so a
 target forward costs several 1-layer drafter steps. The options added after the second
 bundle (patch 8 at 64 px, the per-object target, the shape-word weight, a trained top tower
-layer) target its weakness, a small secondary object's shape named at chance level; a third run
-with all of them (assets/testbed/README.md) got the tower right but its LM did not ground
-colours within 2200 steps (a 400-step LM on the same tower, frozen, shape weight 1, did), so the
-defaults stay those of the bundled (second) run.
+layer) target its weakness, a small secondary object's shape named at chance level; the
+defaults are the bundled run's settings (the history of each choice: assets/testbed/README.md).
 
 Limits: a toy VLM for the toy world; figures hold for seed 0 on the machine that ran it.
 """
