@@ -287,9 +287,28 @@ def encode_examples(data: dict, tok, rng: random.Random, cfg: VLMTrainConfig) ->
             q, valid = qa[rng.randrange(len(qa))]
             prompt, answer = q, valid[rng.randrange(len(valid))]
         out.append((i, prompt, answer))
-    p_ids = tok([p + " :" for _, p, _ in out], add_special_tokens=False)["input_ids"]
-    a_ids = tok([a for _, _, a in out], add_special_tokens=False)["input_ids"]
-    return [(i, p, a + [tok.eos_token_id]) for (i, _, _), p, a in zip(out, p_ids, a_ids)]
+    return tokenize_examples(out, tok)
+
+
+def tokenize_examples(chosen: list[tuple[int, str, str]], tok) -> list[tuple[int, list, list]]:
+    """(scene, prompt, answer) strings -> (scene, prompt ids after the image, answer ids + EOS)."""
+    p_ids = tok([p + " :" for _, p, _ in chosen], add_special_tokens=False)["input_ids"]
+    a_ids = tok([a for _, _, a in chosen], add_special_tokens=False)["input_ids"]
+    return [(i, p, a + [tok.eos_token_id]) for (i, _, _), p, a in zip(chosen, p_ids, a_ids)]
+
+
+def lm_update(model, optim, params, batch, states, tok, image_id: int, cfg: VLMTrainConfig, n_top: int,
+              weight_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teacher-forced optimiser step of the LM stages on `batch`; (weighted loss, plain loss)."""
+    ids, mask, labels, f = lm_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
+                                    cfg.num_visual_tokens)
+    loss, plain = lm_loss(model, ids.to(cfg.device), mask.to(cfg.device), labels.to(cfg.device),
+                          f.to(cfg.device), image_id, n_top, weight_ids, cfg.lm_shape_weight)
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optim.step()
+    return loss, plain
 
 
 def lm_batch(examples, feats, head_ids, image_id, pad_id, n_visual: int):
@@ -390,14 +409,7 @@ def stage_lm(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
         batch, pool = pool[:cfg.lm_batch], pool[cfg.lm_batch:]
         for g in optim.param_groups:
             g["lr"] = lr_at(step, cfg.lm_steps, cfg.lm_lr, cfg.warmup) * g["scale"]
-        ids, mask, labels, f = lm_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
-                                        cfg.num_visual_tokens)
-        loss, plain = lm_loss(model, ids.to(cfg.device), mask.to(cfg.device), labels.to(cfg.device),
-                              f.to(cfg.device), image_id, n_top, weight_ids, cfg.lm_shape_weight)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
+        loss, plain = lm_update(model, optim, params, batch, states, tok, image_id, cfg, n_top, weight_ids)
         bar.set_postfix(loss=f"{float(plain.detach()):.3f}")
         if step % 25 == 0 or step == cfg.lm_steps - 1:
             log["lm"].append({"step": step, "loss": float(plain.detach()), "weighted_loss": float(loss.detach())})

@@ -37,7 +37,7 @@ import torch
 def _examples(data: dict, tok, rng: random.Random, caption_fraction: float, exists_fraction: float):
     """One (scene, prompt ids, answer ids + EOS) per scene, with the tune stage's mix."""
     from mmspec.testbed.vlm_eval import question_kind
-    from mmspec.testbed.vlm_train import CAPTION_PROMPT
+    from mmspec.testbed.vlm_train import CAPTION_PROMPT, tokenize_examples
 
     out = []
     for i, (caps, qa) in enumerate(zip(data["captions"], data["qa"])):
@@ -49,16 +49,14 @@ def _examples(data: dict, tok, rng: random.Random, caption_fraction: float, exis
         else:
             prompt, answers = qa[rng.randrange(len(qa))]
         out.append((i, prompt, answers[rng.randrange(len(answers))]))
-    p_ids = tok([p + " :" for _, p, _ in out], add_special_tokens=False)["input_ids"]
-    a_ids = tok([a for _, _, a in out], add_special_tokens=False)["input_ids"]
-    return [(i, p, a + [tok.eos_token_id]) for (i, _, _), p, a in zip(out, p_ids, a_ids)]
+    return tokenize_examples(out, tok)
 
 
 def stage_tune(cfg, work: Path, log: dict) -> dict:
     from tqdm import tqdm
 
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-    from mmspec.testbed.vlm_train import CAPTION_PROMPT, cache_states, lm_batch, lm_loss, shape_word_ids
+    from mmspec.testbed.vlm_train import CAPTION_PROMPT, cache_states, lm_update, shape_word_ids
 
     source, lm_dir = Path(cfg.tune_from) if cfg.tune_from else work / "pipeline_lm", work / "pipeline_lm"
     if not cfg.tune_from and not lm_dir.is_dir():
@@ -99,14 +97,7 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
         batch, pool = pool[:cfg.lm_batch], pool[cfg.lm_batch:]
         for g in optim.param_groups:
             g["lr"] = cfg.tune_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.tune_steps))
-        ids, mask, labels, f = lm_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
-                                        cfg.num_visual_tokens)
-        loss, plain = lm_loss(model, ids.to(cfg.device), mask.to(cfg.device), labels.to(cfg.device),
-                              f.to(cfg.device), image_id, 0, weight_ids, cfg.lm_shape_weight)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
+        loss, plain = lm_update(model, optim, params, batch, states, tok, image_id, cfg, 0, weight_ids)
         bar.set_postfix(loss=f"{float(plain.detach()):.3f}")
         if step % 25 == 0 or step == cfg.tune_steps - 1:
             log["tune"].append({"step": step, "loss": float(plain.detach()), "weighted_loss": float(loss.detach())})
