@@ -41,6 +41,12 @@ def test_tune_mix_draws_existence_questions_at_the_asked_share():
     # power: the two mixes' expected counts lie > 8 sd apart, so a mix ignoring f would fail above
     p_half = [(0.5 + 0.5 * b) if b > 0 else 0.0 for b in base]
     assert sum(p_half) - sum(base) > 8 * math.sqrt(sum(q * (1 - q) for q in p_half))
+    # the LM stage draws the same mix from its own setting (lm_exists_fraction)
+    from mmspec.testbed.vlm_train import encode_examples
+
+    lm = encode_examples(data, tok, random.Random(0), VLMTrainConfig(caption_fraction=0.0, lm_exists_fraction=0.5))
+    assert lm == _examples(data, tok, random.Random(0), 0.0, 0.5)
+    assert abs(_kinds(lm, tok).count("exists") - sum(p_half)) < 4 * math.sqrt(sum(q * (1 - q) for q in p_half))
     # captions at caption_fraction = 1, answers end with EOS
     ex = _examples(data, tok, random.Random(0), 1.0, 0.5)
     assert all(tok.decode(p).startswith("what is in the image") for _, p, _ in ex)
@@ -90,7 +96,8 @@ def test_tune_stage_keeps_the_lm_model_and_reruns_from_it(tmp_path):
         main([*args, "--stages", "tune", "--tune-from", str(tmp_path)])
 
 
-@pytest.mark.parametrize("bad", [{"tune_steps": -1}, {"tune_lr": 0.0}, {"tune_exists_fraction": 1.5}])
+@pytest.mark.parametrize("bad", [{"tune_steps": -1}, {"tune_lr": 0.0}, {"tune_exists_fraction": 1.5},
+                                 {"lm_exists_fraction": -0.1}])
 def test_tune_settings_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         VLMTrainConfig(**bad)

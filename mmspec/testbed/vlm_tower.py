@@ -10,7 +10,11 @@ four small heads on the features LLaVA reads (last layer, CLS dropped):
   patch it covers, classified colour x shape. Every object counts once whatever its size, so
   the small secondary objects (1-4 patches) weigh as much as the large main one (up to ~20
   patches), which the per-patch loss alone under-weights;
-- ``present`` / ``count``: mean-pooled features -> which classes are present, how many objects.
+- ``present`` / ``count``: which classes are present, how many objects, from the mean-pooled
+  patch features, or with ``vision_feature_select_strategy="full"`` (the CLS token kept as a
+  visual token) from the CLS token: then one visual token carries the scene's object set and
+  count for the LM's look-ups ("is there a violet disc ?") and for knowing when a caption has
+  named every object.
 
 Why: the first two bundles' captions named a secondary object's shape at chance level (their
 towers' object-patch accuracy was dominated by the main object's many patches); the object-level
@@ -83,9 +87,10 @@ class TowerHeads(torch.nn.Module):
         self.count = torch.nn.Linear(dim, 3)
         self.object = torch.nn.Linear(dim, n_classes)  # created last: the others initialise as before
 
-    def forward(self, feats, cover):
-        """feats [B, P, D], cover [B, O, P] -> patch [B, P, C+1], object [B, O, C], present, count."""
-        pooled = feats.mean(1)
+    def forward(self, feats, cover, cls=None):
+        """feats [B, P, D], cover [B, O, P], cls [B, D] or None -> patch [B, P, C+1], object [B, O, C],
+        present, count (read from ``cls`` when given, else from the mean of the patches)."""
+        pooled = feats.mean(1) if cls is None else cls
         objects = cover @ feats / cover.sum(-1, keepdim=True).clamp_min(1e-6)
         return self.patch(feats), self.object(objects), self.present(pooled), self.count(pooled)
 
@@ -94,8 +99,11 @@ def tower_losses(model, heads, data, idx, device, object_weight: float = 1.0):
     from mmspec.testbed.vlm_train import tower_features
 
     feats = tower_features(model, data["pixels"][idx].float().to(device))
+    cls = None
+    if model.config.vision_feature_select_strategy == "full":  # CLS kept: it carries present / count
+        cls, feats = feats[:, 0], feats[:, 1:]
     cover, obj_truth = data["cover"][idx].float().to(device), data["objects"][idx].to(device)
-    patch, obj_logits, present, count = heads(feats, cover)
+    patch, obj_logits, present, count = heads(feats, cover, cls)
     lp = F.cross_entropy(patch.flatten(0, 1), data["patches"][idx].flatten().to(device))
     lo = F.cross_entropy(obj_logits.flatten(0, 1), obj_truth.flatten(), ignore_index=-100)
     lq = F.binary_cross_entropy_with_logits(present, data["present"][idx].to(device))
@@ -113,6 +121,7 @@ def tower_losses(model, heads, data, idx, device, object_weight: float = 1.0):
     return lp + object_weight * lo + lq + lc, {
         "patch": float(lp.detach()), "object": float(lo.detach()), "present": float(lq.detach()),
         "count": float(lc.detach()), "patch_acc": float(acc), "present_exact": float(exact),
+        "count_acc": float((count.argmax(-1) == data["count"][idx].to(device)).float().mean()),
         "object_patch_colour_acc": frac(pred % nc == truth % nc, on),
         "object_patch_shape_acc": frac(pred // nc == truth // nc, on),
         "object_acc": frac(opred == obj_truth, live),

@@ -83,6 +83,9 @@ class VLMTrainConfig:
     n_val: int = 200
     image_size: int = 64  # processor crop (scenes are rendered at 64: no resampling)
     patch_size: int = 8
+    # "default": LLaVA drops the tower's CLS token; "full": keeps it as one more visual token, which the
+    # tower stage trains to carry the scene's set of objects and their count (vlm_tower.py)
+    vision_feature_select_strategy: str = "default"
     # vision tower + its pretraining
     tower_dim: int = 128
     tower_layers: int = 4
@@ -100,6 +103,7 @@ class VLMTrainConfig:
     lm_batch: int = 32
     lm_lr: float = 2e-3
     lm_shape_weight: float = 1.0  # loss weight of shape-word targets in the LM stage
+    lm_exists_fraction: float = 0.0  # share of the LM stage's Q/A examples drawn from existence questions (0 = all alike)
     lm_tower_layers: int = 0  # last tower layers trained in the LM stage (0 = tower frozen)
     lm_tower_lr_scale: float = 0.25  # their learning rate relative to lm_lr
     warmup: int = 60
@@ -134,6 +138,8 @@ class VLMTrainConfig:
             raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
         if not 0 <= self.lm_tower_layers <= self.tower_layers:
             raise ValueError(f"lm_tower_layers={self.lm_tower_layers}: must be in [0, tower_layers={self.tower_layers}]")
+        if not 0 <= self.lm_exists_fraction <= 1:
+            raise ValueError(f"lm_exists_fraction={self.lm_exists_fraction} must be in [0, 1]")
         if self.tune_steps < 0 or self.tune_lr <= 0 or not 0 <= self.tune_exists_fraction <= 1:
             raise ValueError(f"tune_steps={self.tune_steps} must be >= 0, tune_lr={self.tune_lr} > 0 and "
                              f"tune_exists_fraction={self.tune_exists_fraction} in [0, 1]")
@@ -144,12 +150,15 @@ class VLMTrainConfig:
 
         if self.caption_order not in CAPTION_ORDERS:
             raise ValueError(f"caption_order={self.caption_order!r}: choose from {CAPTION_ORDERS}")
+        if self.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy={self.vision_feature_select_strategy!r}: "
+                             "choose 'default' (CLS dropped) or 'full' (CLS kept)")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
 
     @property
     def num_visual_tokens(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        return (self.image_size // self.patch_size) ** 2 + (self.vision_feature_select_strategy == "full")
 
 
 # ---------------------------------------------------------------------- model + processor
@@ -171,7 +180,8 @@ def build_processor(cfg: VLMTrainConfig):
     size = cfg.image_size
     image_proc = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     return LlavaProcessor(image_processor=image_proc, tokenizer=tok, patch_size=cfg.patch_size,
-                          image_token=IMAGE_TOKEN, vision_feature_select_strategy="default",
+                          image_token=IMAGE_TOKEN,
+                          vision_feature_select_strategy=cfg.vision_feature_select_strategy,
                           num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE)
 
 
@@ -186,7 +196,8 @@ def build_model(cfg: VLMTrainConfig, vocab_size: int, image_token_id: int):
                        num_key_value_heads=cfg.lm_heads, max_position_embeddings=256, pad_token_id=0,
                        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
-                         vision_feature_layer=-1, vision_feature_select_strategy="default",
+                         vision_feature_layer=-1,
+                         vision_feature_select_strategy=cfg.vision_feature_select_strategy,
                          projector_hidden_act="gelu", image_seq_length=cfg.num_visual_tokens)
     torch.manual_seed(cfg.seed)
     model = LlavaForConditionalGeneration(config)
@@ -196,10 +207,16 @@ def build_model(cfg: VLMTrainConfig, vocab_size: int, image_token_id: int):
     return model
 
 
+def _select(model, states: torch.Tensor) -> torch.Tensor:
+    """LLaVA's feature selection: CLS dropped ("default") or kept ("full")."""
+    return states[:, 1:] if model.config.vision_feature_select_strategy == "default" else states
+
+
 def tower_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    """What LLaVA reads from its tower: last hidden layer, CLS dropped ([B, tokens, dim])."""
+    """What LLaVA reads from its tower: last hidden layer, CLS dropped ("default") or first
+    ("full") ([B, tokens, dim])."""
     out = model.model.vision_tower(pixel_values, output_hidden_states=True)
-    return out.hidden_states[-1][:, 1:]
+    return _select(model, out.hidden_states[-1])
 
 
 def top_tower_layers(model, n: int) -> list:
@@ -214,11 +231,11 @@ def tower_states(model, pixel_values: torch.Tensor, n_top: int) -> torch.Tensor:
 
 
 def finish_tower(model, states: torch.Tensor, n_top: int) -> torch.Tensor:
-    """Run the last ``n_top`` tower layers on ``tower_states`` and drop CLS: ``tower_features``."""
+    """Run the last ``n_top`` tower layers on ``tower_states`` and select: ``tower_features``."""
     for layer in top_tower_layers(model, n_top):
         states = layer(states, None)
         states = states[0] if isinstance(states, tuple) else states
-    return states[:, 1:]
+    return _select(model, states)
 
 
 # ---------------------------------------------------------------------- stage: data
@@ -277,16 +294,26 @@ def lr_at(step: int, total: int, base: float, warmup: int) -> float:
 
 
 # ---------------------------------------------------------------------- stage: lm
-def encode_examples(data: dict, tok, rng: random.Random, cfg: VLMTrainConfig) -> list[tuple[int, list, list]]:
-    """One (scene, prompt ids after the image, answer ids + EOS) per scene per epoch, sampled."""
+def encode_examples(data: dict, tok, rng: random.Random, cfg: VLMTrainConfig,
+                    exists_fraction: float | None = None) -> list[tuple[int, list, list]]:
+    """One (scene, prompt ids after the image, answer ids + EOS) per scene per epoch, sampled: a
+    caption with probability ``caption_fraction``, else a question; of the questions a share
+    ``exists_fraction`` (default ``cfg.lm_exists_fraction``; 0 = every question alike) drawn from
+    the scene's existence questions ("is there a violet disc ?")."""
+    from mmspec.testbed.vlm_eval import question_kind
+
+    frac = cfg.lm_exists_fraction if exists_fraction is None else exists_fraction
     out = []
     for i, (caps, qa) in enumerate(zip(data["captions"], data["qa"])):
         if rng.random() < cfg.caption_fraction or not qa:
-            prompt, answer = CAPTION_PROMPT, caps[rng.randrange(len(caps))]
+            prompt, answers = CAPTION_PROMPT, caps
         else:
-            q, valid = qa[rng.randrange(len(qa))]
-            prompt, answer = q, valid[rng.randrange(len(valid))]
-        out.append((i, prompt, answer))
+            exists = [(q, v) for q, v in qa if question_kind(q) == "exists"] if frac > 0 else []
+            if exists and rng.random() < frac:  # no extra draw at 0: the sample stream stays as before
+                prompt, answers = exists[rng.randrange(len(exists))]
+            else:
+                prompt, answers = qa[rng.randrange(len(qa))]
+        out.append((i, prompt, answers[rng.randrange(len(answers))]))
     return tokenize_examples(out, tok)
 
 

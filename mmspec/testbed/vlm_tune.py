@@ -36,20 +36,10 @@ import torch
 
 def _examples(data: dict, tok, rng: random.Random, caption_fraction: float, exists_fraction: float):
     """One (scene, prompt ids, answer ids + EOS) per scene, with the tune stage's mix."""
-    from mmspec.testbed.vlm_eval import question_kind
-    from mmspec.testbed.vlm_train import CAPTION_PROMPT, tokenize_examples
+    from mmspec.testbed.vlm_train import VLMTrainConfig, encode_examples
 
-    out = []
-    for i, (caps, qa) in enumerate(zip(data["captions"], data["qa"])):
-        exists = [(q, v) for q, v in qa if question_kind(q) == "exists"]
-        if rng.random() < caption_fraction or not qa:
-            prompt, answers = CAPTION_PROMPT, caps
-        elif exists and rng.random() < exists_fraction:
-            prompt, answers = exists[rng.randrange(len(exists))]
-        else:
-            prompt, answers = qa[rng.randrange(len(qa))]
-        out.append((i, prompt, answers[rng.randrange(len(answers))]))
-    return tokenize_examples(out, tok)
+    mix = VLMTrainConfig(caption_fraction=caption_fraction)
+    return encode_examples(data, tok, rng, mix, exists_fraction)
 
 
 def stage_tune(cfg, work: Path, log: dict) -> dict:
