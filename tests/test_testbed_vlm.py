@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec.testbed.vlm_eval import caption_correct, caption_error, caption_pairs, question_kind, vqa_correct
+from mmspec.testbed.vlm_eval import (caption_correct, caption_error, caption_pairs, question_kind, vqa_correct,
+                                     vqa_exact)
 from mmspec.testbed.world import World
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
@@ -68,9 +69,39 @@ def test_every_world_question_has_its_template_kind():
 def test_vqa_check_takes_any_valid_phrasing_only():
     s = World(seed=0, split="validation").scene(3)
     q, valid = s.qa[0]
-    assert all(vqa_correct(v.upper() + "  ", valid) for v in valid)
-    assert not vqa_correct("purple elephant", valid)
-    assert not vqa_correct(None, valid)
+    assert all(vqa_correct(v.upper() + "  ", valid) and vqa_exact(v.upper() + "  ", valid) for v in valid)
+    assert not vqa_correct("elephant", valid) and not vqa_exact("purple elephant", valid)
+    assert not vqa_correct(None, valid) and not vqa_correct("", valid)
+
+
+def test_vqa_check_takes_the_grammars_synonyms_but_not_other_content():
+    pink = ["pink", "rose", "salmon", "it is pink", "the lozenge is pink"]
+    assert vqa_correct("the rhombus is pink", pink) and not vqa_exact("the rhombus is pink", pink)
+    assert vqa_correct("it is salmon", pink)
+    for wrong in ("the rhombus is red", "the circle is pink", "pink pink", "yes", "it is"):
+        assert not vqa_correct(wrong, pink), wrong
+    circle = ["circle", "disc", "dot", "round shape", "a circle", "it is a circle"]
+    assert vqa_correct("a disc", circle) and vqa_correct("it is a round shape", circle)
+    assert not vqa_correct("a box", circle) and not vqa_correct("a round shape and a box", circle)
+    assert vqa_correct("2", ["2", "two", "there are two"]) and not vqa_correct("three", ["2", "two"])
+    assert vqa_correct("higher", ["above", "it is above"]) and not vqa_correct("it is below", ["above"])
+    assert vqa_correct("no , it is not", ["no"]) and not vqa_correct("yes , it is", ["no", "no it is not"])
+    # on the world's questions: every listed answer passes its own list; the same answer with
+    # another colour / shape / number / polarity swapped in fails it
+    swap = {"pink": "red", "red": "pink", "circle": "square", "square": "circle", "disc": "box", "yes": "no",
+            "no": "yes", "two": "three", "three": "two", "above": "below", "below": "above", "left": "right",
+            "right": "left"}
+    tried = 0
+    for scene in World(seed=0, split="validation").sample(200):
+        for _, valid in scene.qa:
+            assert all(vqa_correct(v, valid) for v in valid), valid
+            for v in valid:
+                words = v.split()
+                changed = " ".join(swap.get(w, w) for w in words)
+                if changed != v and "not" not in words:
+                    assert not vqa_correct(changed, valid), (changed, valid)
+                    tried += 1
+    assert tried >= 100
 
 
 @pytest.fixture(scope="module")
