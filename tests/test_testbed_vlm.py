@@ -260,3 +260,18 @@ def test_train_vlm_full_strategy_keeps_cls_as_a_visual_token(tmp_path):
         pipe.load_drafter(name)
         out = pipe(images, prompts, max_new_tokens=8)
         assert [x.tolist() for x in out.sequences] == [x.tolist() for x in plain.sequences], name
+
+
+def test_visible_objects_drop_only_an_object_drawn_over_entirely():
+    from mmspec.testbed.vlm_eval import visible_objects
+
+    big = {"colour": "red", "shape": "square", "x": 0.5, "y": 0.5, "r": 0.3}
+    small = {"colour": "blue", "shape": "circle", "x": 0.5, "y": 0.5, "r": 0.05}
+    beside = {"colour": "green", "shape": "circle", "x": 0.1, "y": 0.1, "r": 0.05}
+    # drawn in list order: the small circle first, then the square over it
+    assert visible_objects({"objects": [small, beside, big]}) == [beside, big]
+    assert visible_objects({"objects": [big, small, beside]}) == [big, small, beside]
+    scenes = World(seed=0, split="validation").sample(200)
+    hidden = [s for s in scenes if len(visible_objects(s.attributes)) < len(s.attributes["objects"])]
+    assert 0 < len(hidden) < 20  # the docstring's count (9): rare, but there
+    assert all(not caption_correct(c, {"objects": visible_objects(s.attributes)}) for s in hidden for c in s.captions)
