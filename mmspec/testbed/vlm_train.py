@@ -56,11 +56,11 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmspec.testbed.vlm_tower import scene_labels, stage_tower
+from mmspec.testbed.vlm_data import stage_data
+from mmspec.testbed.vlm_tower import stage_tower
 from mmspec.testbed.vlm_tune import stage_tune
 
 STAGES = ("data", "tower", "lm", "tune", "text", "eagle", "vispec", "eval")
@@ -236,53 +236,6 @@ def finish_tower(model, states: torch.Tensor, n_top: int) -> torch.Tensor:
         states = layer(states, None)
         states = states[0] if isinstance(states, tuple) else states
     return _select(model, states)
-
-
-# ---------------------------------------------------------------------- stage: data
-def render(cfg: VLMTrainConfig, split: str, n: int, processor) -> dict:
-    from tqdm import tqdm
-
-    from mmspec.testbed.language import sample_captions
-    from mmspec.testbed.world import World
-
-    world = World(seed=cfg.seed, split=split)
-    wc = world.config
-    pixels, patches, cover, objects, present, count, captions, qa = [], [], [], [], [], [], [], []
-    chunk = []
-    for i in tqdm(range(n), desc=f"render {split}", disable=not cfg.progress):
-        s = world.scene(i)
-        chunk.append(s.image)
-        pl, cv, ob = scene_labels(s.attributes, cfg.image_size, cfg.patch_size, wc)
-        patches.append(pl)
-        cover.append(cv)
-        objects.append(ob)
-        pres = np.zeros(wc.num_classes, dtype=np.float32)
-        for o in s.attributes["objects"]:
-            pres[wc.class_label(o["shape"], o["colour"])] = 1
-        present.append(pres)
-        count.append(len(s.attributes["objects"]) - 1)
-        if cfg.caption_order == "random":  # the world's own captions
-            captions.append(s.captions)
-        else:  # the same grammar, objects named in a fixed order (own stream: the scene is unchanged)
-            rng = np.random.default_rng([cfg.seed, 7, i, split == "train"])
-            captions.append(sample_captions(s.attributes, len(s.captions), rng, cfg.caption_order))
-        qa.append(s.qa)
-        if len(chunk) == 256 or i == n - 1:
-            pixels.append(processor.image_processor(chunk, return_tensors="pt")["pixel_values"].half())
-            chunk = []
-    return {"pixels": torch.cat(pixels), "patches": torch.from_numpy(np.stack(patches)),
-            "cover": torch.from_numpy(np.stack(cover)).half(), "objects": torch.from_numpy(np.stack(objects)),
-            "present": torch.from_numpy(np.stack(present)), "count": torch.tensor(count),
-            "captions": captions, "qa": qa}
-
-
-def stage_data(cfg: VLMTrainConfig, work: Path) -> dict:
-    processor = build_processor(cfg)
-    processor.save_pretrained(work / "processor")
-    for split, n in (("train", cfg.n_train), ("validation", cfg.n_val)):
-        torch.save(render(cfg, split, n, processor), work / f"data_{split}.pt")
-    return {"n_train": cfg.n_train, "n_val": cfg.n_val, "visual_tokens": cfg.num_visual_tokens,
-            "vocab_size": len(processor.tokenizer)}
 
 
 # ---------------------------------------------------------------------- stage: tower (vlm_tower.py)
