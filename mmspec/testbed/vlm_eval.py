@@ -46,9 +46,11 @@ _COLOUR_OF = {w: c for c, words in COLOUR_WORDS.items() for w in words}
 _SHAPE_OF = {w: s for s, words in SHAPE_WORDS.items() for w in words}
 
 
-def _mentions(text: str) -> list[tuple[str, str]]:
-    """("colour" | "shape", canonical name) in reading order."""
+def _mentions(text: str, extra: tuple = ()) -> list[tuple[str, str]]:
+    """(kind, canonical name) in reading order: colours and shapes (multi-word shape names
+    first), then the (table, kind) pairs of ``extra``; other words skipped."""
     words = text.lower().split()
+    tables = ((_COLOUR_OF, "colour"), (_SHAPE_OF, "shape"), *extra)
     out, i = [], 0
     while i < len(words):
         two = " ".join(words[i:i + 2])
@@ -56,10 +58,9 @@ def _mentions(text: str) -> list[tuple[str, str]]:
             out.append(("shape", _SHAPE_OF[two]))
             i += 2
             continue
-        if words[i] in _COLOUR_OF:
-            out.append(("colour", _COLOUR_OF[words[i]]))
-        elif words[i] in _SHAPE_OF:
-            out.append(("shape", _SHAPE_OF[words[i]]))
+        hit = next(((kind, table[words[i]]) for table, kind in tables if words[i] in table), None)
+        if hit:
+            out.append(hit)
         i += 1
     return out
 
@@ -136,23 +137,12 @@ _DIRECTION_OF = {"left": "left", "right": "right", "above": "above", "higher": "
 _NUMBER_OF = {**{w: str(i) for i, w in enumerate(language.NUMBER_WORDS)}, **{str(i): str(i) for i in range(10)}}
 
 
+_ANSWER_WORDS = ((_NUMBER_OF, "number"), (_DIRECTION_OF, "direction"), ({"yes": "yes", "no": "no", "not": "no"}, "polarity"))
+
+
 def answer_content(text: str | None) -> tuple[str, ...]:
     """The content words of an answer in canonical form, sorted (see ``vqa_correct``)."""
-    words = " ".join((text or "").lower().replace(",", " ").split()).split()
-    out, i = [], 0
-    while i < len(words):
-        two = " ".join(words[i:i + 2])
-        if two in _SHAPE_OF:
-            out.append("shape:" + _SHAPE_OF[two])
-            i += 2
-            continue
-        w = words[i]
-        for table, kind in ((_COLOUR_OF, "colour"), (_SHAPE_OF, "shape"), (_NUMBER_OF, "number"),
-                            (_DIRECTION_OF, "direction"), ({"yes": "yes", "no": "no", "not": "no"}, "polarity")):
-            if w in table:
-                out.append(f"{kind}:{table[w]}")
-                break
-        i += 1
+    out = [f"{kind}:{name}" for kind, name in _mentions((text or "").replace(",", " "), _ANSWER_WORDS)]
     if out.count("polarity:no") > 1:  # "no it is not": one negation
         out = [c for c in out if c != "polarity:no"] + ["polarity:no"]
     return tuple(sorted(out))

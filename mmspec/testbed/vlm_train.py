@@ -247,27 +247,31 @@ def lr_at(step: int, total: int, base: float, warmup: int) -> float:
 
 
 # ---------------------------------------------------------------------- stage: lm
-def encode_examples(data: dict, tok, rng: random.Random, cfg: VLMTrainConfig,
-                    exists_fraction: float | None = None) -> list[tuple[int, list, list]]:
+def sample_examples(data: dict, tok, rng: random.Random, caption_fraction: float,
+                    exists_fraction: float) -> list[tuple[int, list, list]]:
     """One (scene, prompt ids after the image, answer ids + EOS) per scene per epoch, sampled: a
     caption with probability ``caption_fraction``, else a question; of the questions a share
-    ``exists_fraction`` (default ``cfg.lm_exists_fraction``; 0 = every question alike) drawn from
-    the scene's existence questions ("is there a violet disc ?")."""
+    ``exists_fraction`` (0 = every question alike) drawn from the scene's existence questions
+    ("is there a violet disc ?")."""
     from mmspec.testbed.vlm_eval import question_kind
 
-    frac = cfg.lm_exists_fraction if exists_fraction is None else exists_fraction
     out = []
     for i, (caps, qa) in enumerate(zip(data["captions"], data["qa"])):
-        if rng.random() < cfg.caption_fraction or not qa:
+        if rng.random() < caption_fraction or not qa:
             prompt, answers = CAPTION_PROMPT, caps
         else:
-            exists = [(q, v) for q, v in qa if question_kind(q) == "exists"] if frac > 0 else []
-            if exists and rng.random() < frac:  # no extra draw at 0: the sample stream stays as before
+            exists = [(q, v) for q, v in qa if question_kind(q) == "exists"] if exists_fraction > 0 else []
+            if exists and rng.random() < exists_fraction:  # no extra draw at 0: the sample stream stays as before
                 prompt, answers = exists[rng.randrange(len(exists))]
             else:
                 prompt, answers = qa[rng.randrange(len(qa))]
         out.append((i, prompt, answers[rng.randrange(len(answers))]))
     return tokenize_examples(out, tok)
+
+
+def encode_examples(data: dict, tok, rng: random.Random, cfg: VLMTrainConfig) -> list[tuple[int, list, list]]:
+    """The LM stage's epoch: ``sample_examples`` with ``caption_fraction`` and ``lm_exists_fraction``."""
+    return sample_examples(data, tok, rng, cfg.caption_fraction, cfg.lm_exists_fraction)
 
 
 def tokenize_examples(chosen: list[tuple[int, str, str]], tok) -> list[tuple[int, list, list]]:

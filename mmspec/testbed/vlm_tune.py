@@ -36,10 +36,9 @@ import torch
 
 def _examples(data: dict, tok, rng: random.Random, caption_fraction: float, exists_fraction: float):
     """One (scene, prompt ids, answer ids + EOS) per scene, with the tune stage's mix."""
-    from mmspec.testbed.vlm_train import VLMTrainConfig, encode_examples
+    from mmspec.testbed.vlm_train import sample_examples
 
-    mix = VLMTrainConfig(caption_fraction=caption_fraction)
-    return encode_examples(data, tok, rng, mix, exists_fraction)
+    return sample_examples(data, tok, rng, caption_fraction, exists_fraction)
 
 
 def stage_tune(cfg, work: Path, log: dict) -> dict:
