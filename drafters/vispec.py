@@ -42,13 +42,14 @@ class ImageAdaptor(nn.Module):
         self.o_proj = nn.Linear(H, H, bias=False)
 
     def forward(self, span: torch.Tensor) -> torch.Tensor:
-        n, H = span.shape
+        """[..., n, H] -> [..., num_q, H] (leading dims: spans compressed independently)."""
+        *lead, n, H = span.shape
         d = H // self.heads
         q = self.q.to(span.dtype).view(self.num_q, self.heads, d).transpose(0, 1)  # [h, num_q, d]
-        k = self.k_proj(span).view(n, self.heads, d).transpose(0, 1)
-        v = self.v_proj(span).view(n, self.heads, d).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q, k, v)  # [h, num_q, d]
-        return self.o_proj(out.transpose(0, 1).reshape(self.num_q, H))
+        k = self.k_proj(span).view(*lead, n, self.heads, d).transpose(-3, -2)  # [..., h, n, d]
+        v = self.v_proj(span).view(*lead, n, self.heads, d).transpose(-3, -2)
+        out = F.scaled_dot_product_attention(q.expand(*lead, -1, -1, -1), k, v)  # [..., h, num_q, d]
+        return self.o_proj(out.transpose(-3, -2).reshape(*lead, self.num_q, H))
 
 
 class ViSpecHead(EagleHead):
@@ -92,6 +93,10 @@ class ViSpecHead(EagleHead):
         m = self.config.num_q - 1
         is_img = (next_tokens == self.config.image_token_id) & mask.bool()
         is_img[:, -1] = False  # the last pair's token is the root: generated text
+        if B > 1:  # one row: the loop below is one pass and issues fewer operations
+            fast = self._prepare_one_span(embeds, hidden, mask, is_img, m)
+            if fast is not None:
+                return fast
         real_host, img_host = mask.bool().tolist(), is_img.tolist()  # SYNC: once per request
         rows, globals_ = [], []
         for b in range(B):
@@ -128,6 +133,51 @@ class ViSpecHead(EagleHead):
             n = xb.shape[0]
             x[b, Lc - n:], positions[b, Lc - n:], src[b, Lc - n:], mask2[b, Lc - n:] = xb, pb, sb, 1
         return x, positions, mask2, src, torch.stack(globals_)
+
+    def _prepare_one_span(self, embeds, hidden, mask, is_img, m: int):
+        """`prepare` without a Python loop over rows, for the common batch (measured at batch 4
+        on a 2-core EPYC VM: half the loop's time, which grows with every row): left-padded rows
+        with one image span each, all of the same length (one image per prompt, same image
+        size). None for any other batch (the general loop handles it). Same layout as the loop:
+        the span replaced by its `m` adapted tokens, rows right-aligned."""
+        B, L, H = embeds.shape
+        device = embeds.device
+        j = torch.arange(L, device=device)
+        real = mask.bool()
+        first_real = torch.where(real, j, L).amin(1)
+        span_starts = (is_img & ~F.pad(is_img, (1, 0))[:, :-1]).sum(1)
+        first_img = torch.where(is_img, j, L).amin(1)
+        n_img = is_img.sum(1)
+        # Left padding only: every position from the first real one on is real.
+        left_padded = real.sum(1) == L - first_real
+        facts = torch.stack([first_real, n_img, span_starts, left_padded.long()], 0).tolist()  # SYNC: once per request
+        start_h, n_h, spans_h, left_h = facts
+        if not all(left_h) or any(c != 1 for c in spans_h) or len(set(n_h)) != 1 or n_h[0] < m:
+            return None
+        n = n_h[0]
+        cut = min(start_h)
+        Lc = L - n + m - cut
+        jc = torch.arange(cut, cut + Lc, device=device).unsqueeze(0)  # [1, Lc] uncut column index
+        s = first_img.unsqueeze(1)  # [B, 1]
+        start = first_real.unsqueeze(1)
+        in_img = (jc >= s) & (jc < s + m)
+        # Source pair of each column: text before the span as is; the span's last m pairs;
+        # text after it shifted by the n - m pairs the span lost.
+        src = torch.where(jc < s, jc, jc + n - m)  # [B, Lc]
+        keep = jc >= start  # real entries of the compressed rows
+        src = torch.where(keep, src, 0)
+        spans = embeds.gather(1, (s + torch.arange(n, device=device)).unsqueeze(-1).expand(B, n, H))
+        adapted = self.imadpt(spans)  # [B, num_q, H]
+        g = adapted[:, -1]
+        after = (jc >= s + m).unsqueeze(-1)  # text after the image sees g, text before g = 0
+        term = torch.where(after, self.global_term(g, embeds.dtype).unsqueeze(1), self.global_term(None, embeds.dtype))
+        take = src.unsqueeze(-1).expand(B, Lc, H)
+        x = self.fuse_with(embeds.gather(1, take), hidden.gather(1, take), term)
+        image_x = adapted[:, :-1].gather(1, (jc - s).clamp(0, m - 1).unsqueeze(-1).expand(B, Lc, H))
+        x = torch.where(in_img.unsqueeze(-1), image_x, x)
+        x = torch.where(keep.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype, device=device))
+        positions = torch.where(keep, src - start, 0)
+        return x, positions, keep.long(), src, g
 
 
 class ViSpecDrafter(EagleHeadDrafter):

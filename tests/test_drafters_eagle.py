@@ -484,3 +484,70 @@ def test_embed_and_head_called_as_functions_equal_the_modules_and_respect_hooks(
 
     scaled = Scaled(11, 6)
     assert _plain_call(scaled) is scaled
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_vispec_batched_prompt_compression_equals_the_row_loop(grad):
+    """One image span per row (the common batch) is compressed without a loop over rows; it
+    must give the general loop's inputs, positions, mask, sources and global vectors, with
+    left padding of different lengths, text before and after the span, and under autograd
+    (training). Other batches (two spans in a row, spans of different lengths, no image) take
+    the loop."""
+
+    torch.manual_seed(0)
+    cfg = EagleHeadConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2,
+                          vocab_size=20, image_token_id=7, kind="vispec", num_q=3)
+    head = ViSpecHead(cfg).double()
+    with torch.no_grad():
+        head.img_fc.weight.normal_()  # not the identity start: g must matter
+    I = 7
+
+    def batch(rows):
+        L = max(len(r) for r in rows)
+        toks = torch.tensor([[0] * (L - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows])
+        return toks, mask
+
+    def run(toks, mask, loop):
+        B, L = toks.shape
+        g = torch.Generator().manual_seed(1)
+        embeds = torch.randn(B, L, 16, generator=g, dtype=torch.float64, requires_grad=grad)
+        hidden = torch.randn(B, L, 16, generator=g, dtype=torch.float64)
+        if loop:
+            head._prepare_one_span = lambda *a: None
+        try:
+            with torch.set_grad_enabled(grad):
+                out = head.prepare(toks, embeds, hidden, mask)
+        finally:
+            head.__dict__.pop("_prepare_one_span", None)
+        return out
+
+    same_shape = [[3, 4, I, I, I, I, I, 5, 6, 2], [9, I, I, I, I, I, 8, 2], [1, 2, 3, I, I, I, I, I, 4]]
+    toks, mask = batch(same_shape)
+    seen = []
+    original = ViSpecHead._prepare_one_span
+    ViSpecHead._prepare_one_span = lambda self, *a: seen.append(1) or original(self, *a)
+    try:
+        fast = run(toks, mask, loop=False)
+    finally:
+        ViSpecHead._prepare_one_span = original
+    slow = run(toks, mask, loop=True)
+    assert seen and fast[0].shape == slow[0].shape
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if grad:  # the adaptor and fuse weights receive the same gradients either way
+        gf = torch.autograd.grad(fast[0].sum() + fast[4].sum(), list(head.parameters()), allow_unused=True)
+        gs = torch.autograd.grad(slow[0].sum() + slow[4].sum(), list(head.parameters()), allow_unused=True)
+        for a, b in zip(gf, gs):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # Batches the loop-free path must leave to the loop: it returns None for them.
+    for rows in ([[I, I, I, 1, I, I, I, 2], [3, I, I, I, I, I, I, 4]],  # two spans in a row
+                 [[I, I, I, I, 1, 2], [3, I, I, I, 4]],  # spans of different lengths
+                 [[1, 2, 3], [4, 5]]):  # no image
+        toks, mask = batch(rows)
+        is_img = (toks == I) & mask.bool()
+        is_img[:, -1] = False
+        e = torch.zeros(*toks.shape, 16, dtype=torch.float64)
+        assert head._prepare_one_span(e, e, mask, is_img, cfg.num_q - 1) is None
