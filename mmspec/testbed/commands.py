@@ -188,6 +188,10 @@ def add_subparsers(subparsers) -> None:
     from mmspec.testbed.vlm_train import add_vlm_command
 
     add_vlm_command(sub)
+
+    from mmspec.testbed.vlm_compare import add_compare_command
+
+    add_compare_command(sub)
     try:
         from mmspec.testbed.vq_train import add_vq_commands
     except ImportError:

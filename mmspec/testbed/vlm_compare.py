@@ -1,0 +1,93 @@
+"""Does a retrained testbed VLM reproduce another one? `mmspec testbed compare-vlm A B`.
+
+Both pipelines answer the same validation scenes (plain greedy, `vlm_eval.evaluate`), so
+their caption and VQA outcomes are paired scene by scene. For each check it reports the two
+accuracies, the scenes only one of them gets right, the difference B - A with a 95% interval
+(the Wald interval of a paired difference of proportions: d = (c - b) / n, se = sqrt(b + c -
+(c - b)^2 / n) / n, where b, c count the scenes only A, only B gets right), and the exact
+two-sided McNemar p-value (a binomial test of b against b + c at one half). "Within noise"
+here means: the interval covers 0 (equivalently, for these sizes, p >= 0.05). A paired test
+is the right one for two models on one scene set: the scenes both get right or both get wrong
+carry no information on which model is better, and the shared scene sample is not counted
+twice as two independent samples would be.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+
+def mcnemar_p(only_a: int, only_b: int) -> float:
+    """Exact two-sided McNemar p-value: P(a split of the discordant scenes at least this
+    uneven | both models equally likely to be the one right)."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    k = min(only_a, only_b)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_comparison(a_ok: list, b_ok: list, z: float = 1.959964) -> dict:
+    """Compare per-scene outcomes (1 / True = right) of models A and B on the same scenes."""
+    if len(a_ok) != len(b_ok) or not a_ok:
+        raise ValueError(f"need two equally long, non-empty outcome lists (one per scene), got {len(a_ok)} and {len(b_ok)}")
+    n = len(a_ok)
+    only_a = sum(1 for x, y in zip(a_ok, b_ok) if x and not y)
+    only_b = sum(1 for x, y in zip(a_ok, b_ok) if y and not x)
+    d = (only_b - only_a) / n
+    se = math.sqrt(max(only_a + only_b - (only_b - only_a) ** 2 / n, 0.0)) / n
+    lo, hi = d - z * se, d + z * se
+    return {"scenes": n, "a": sum(map(bool, a_ok)) / n, "b": sum(map(bool, b_ok)) / n,
+            "only_a": only_a, "only_b": only_b, "difference": d, "ci95": [lo, hi],
+            "mcnemar_p": mcnemar_p(only_a, only_b), "within_noise": lo <= 0.0 <= hi}
+
+
+def compare(dir_a: str, dir_b: str, *, scenes: int = 200, seed: int = 0, max_new_tokens: int = 40,
+            progress: bool = True) -> dict:
+    from mmspec.bench.vlm import load_pipeline
+    from mmspec.testbed.vlm_eval import evaluate
+    from mmspec.testbed.world import World
+
+    val = World(seed=seed, split="validation").sample(scenes)
+    runs = [evaluate(load_pipeline(d), val, max_new_tokens=max_new_tokens, progress=progress) for d in (dir_a, dir_b)]
+    out = {"a": dir_a, "b": dir_b, "scenes": scenes, "seed": seed}
+    for key, label in (("caption_ok", "captions"), ("vqa_ok", "vqa")):
+        out[label] = paired_comparison(runs[0]["per_scene"][key], runs[1]["per_scene"][key])
+    out["vqa_by_kind"] = {"a": runs[0]["vqa_by_kind"], "b": runs[1]["vqa_by_kind"]}
+    return out
+
+
+def format_comparison(r: dict) -> str:
+    lines = [f"A = {r['a']}\nB = {r['b']}\n{r['scenes']} validation scenes (seed {r['seed']}), plain greedy, paired"]
+    for label in ("captions", "vqa"):
+        c = r[label]
+        lines.append(f"{label:9s} A {c['a']:.1%}  B {c['b']:.1%}  only A {c['only_a']}, only B {c['only_b']}  "
+                     f"B - A {c['difference']:+.1%} [95% CI {c['ci95'][0]:+.1%}, {c['ci95'][1]:+.1%}]  "
+                     f"McNemar p = {c['mcnemar_p']:.3f}  {'within noise' if c['within_noise'] else 'DIFFERENT'}")
+    return "\n".join(lines)
+
+
+def cmd_compare_vlm(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    r = compare(args.a, args.b, scenes=args.scenes, seed=args.seed, progress=not args.no_progress)
+    print(format_comparison(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+def add_compare_command(sub) -> None:
+    p = sub.add_parser("compare-vlm", help="do two testbed VLMs answer equally well? (paired, same scenes)")
+    p.add_argument("a", help="a SpeculativeVLMPipeline folder (e.g. assets/testbed/vlm)")
+    p.add_argument("b", help="another one (e.g. the --out of a train-vlm run)")
+    p.add_argument("--scenes", type=int, default=200, help="validation scenes (default 200, as train-vlm's eval)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_compare_vlm)

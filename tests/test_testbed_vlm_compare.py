@@ -1,0 +1,58 @@
+"""`mmspec testbed compare-vlm`: paired comparison of two testbed VLMs on the same scenes."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from mmspec.testbed.vlm_compare import mcnemar_p, paired_comparison
+
+
+def test_mcnemar_exact_p_values():
+    # Binomial(n, 1/2) tails written out by hand: P(X <= 1 | 10) = 11/1024, P(X <= 2 | 10) = 56/1024.
+    assert mcnemar_p(1, 9) == pytest.approx(22 / 1024)
+    assert mcnemar_p(8, 2) == pytest.approx(112 / 1024)
+    assert mcnemar_p(0, 0) == 1.0 and mcnemar_p(5, 5) == 1.0
+    assert mcnemar_p(0, 6) == pytest.approx(2 / 64)
+
+
+def test_paired_difference_and_interval():
+    a = [1, 1, 0, 0, 1]
+    b = [1, 0, 1, 1, 1]
+    r = paired_comparison(a, b)
+    assert (r["only_a"], r["only_b"]) == (1, 2)
+    assert r["a"] == pytest.approx(0.6) and r["b"] == pytest.approx(0.8) and r["difference"] == pytest.approx(0.2)
+    half = 1.959964 * math.sqrt(3 - 1 / 5) / 5
+    assert r["ci95"] == pytest.approx([0.2 - half, 0.2 + half])
+    assert r["within_noise"]
+    with pytest.raises(ValueError, match="equally long"):
+        paired_comparison([1, 0], [1])
+
+
+def test_a_real_difference_is_found_and_a_redraw_of_the_same_model_is_not():
+    """Power: B right on 15 points more of 200 scenes is flagged; two models of the same
+    accuracy that disagree on scattered scenes are within noise (fixed seed)."""
+    rng = random.Random(0)
+    a = [1] * 140 + [0] * 60
+    b = [1] * 140 + [1] * 30 + [0] * 30  # B also right on half of A's misses
+    r = paired_comparison(a, b)
+    assert not r["within_noise"] and r["mcnemar_p"] < 1e-6
+    twin = [x if rng.random() > 0.1 else 1 - x for x in a]  # ~10% of scenes flipped either way
+    r = paired_comparison(a, twin)
+    assert r["within_noise"] and r["mcnemar_p"] > 0.05
+
+
+def test_compare_vlm_cli_on_the_bundle_against_itself(tmp_path, capsys):
+    from mmspec.cli import main
+
+    out = tmp_path / "cmp.json"
+    assert main(["testbed", "compare-vlm", "assets/testbed/vlm", "assets/testbed/vlm", "--scenes", "4",
+                 "--no-progress", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "captions" in text and "within noise" in text
+    r = json.loads(out.read_text())
+    for key in ("captions", "vqa"):
+        assert r[key]["scenes"] == 4 and r[key]["only_a"] == r[key]["only_b"] == 0
