@@ -45,8 +45,10 @@ Model (per step, B active rows, K drafts per row):
   still found within a few `max_probe_every` steps. A probe also costs what it costs: when
   it changes nothing, the gap is at least long enough that probing takes at most
   `probe_budget` (1%) of the time of plain steps, from the probe's measured seconds less
-  what its emitted tokens would have cost at the kept choice (at most `4 * max_probe_every`
-  steps, so recovery stays bounded); at a large batch a probe after a long plain stretch
+  what its emitted tokens would have cost at the kept choice (at most `budget_gap_factor *
+  max_probe_every` = 1024 steps by default, so recovery stays bounded; a cap of 256 kept weak
+  pairs at batch 8 paying ~2% for probes, each worth ~5 plain steps, in session 13's bench);
+  at a large batch a probe after a long plain stretch
   costs a few plain steps, while a probe that drafts where drafting pays costs nothing. The controller
   lives on the drafter, so the gaps carry over from one call to the next.
 - Steps whose drafting included one-off work (the drafter catching up after plain steps,
@@ -121,6 +123,10 @@ class _LinearCost:
 
 class DraftLengthController:
     """Chooses K per step for a chain drafter with at most `k_max` drafts."""
+
+    # A probe that costs more than the probe budget allows at max_probe_every is spaced out
+    # to honour the budget, up to this many times max_probe_every.
+    budget_gap_factor = 16
 
     def __init__(
         self,
@@ -273,7 +279,7 @@ class DraftLengthController:
                     per_token = base / (batch * self.expected_tokens(k))
                     extra = max(self._probe_seconds - self._probe_tokens * per_token, 0.0)
                     need = math.ceil(extra / (self.probe_budget * plain))
-                    self.probe_gap = max(self.probe_gap, min(need, 4 * self.max_probe_every))
+                    self.probe_gap = max(self.probe_gap, min(need, self.budget_gap_factor * self.max_probe_every))
                 self.next_probe = self.steps - 1 + self.probe_gap  # counted from the probe
                 self._probe_base = None
             if self.next_probe is not None and self.steps >= self.next_probe:

@@ -87,7 +87,7 @@ def test_probes_back_off_while_they_change_nothing_and_recovery_is_still_found()
 def test_expensive_probes_are_spaced_to_the_probe_budget():
     """When a probe costs several plain steps (here 0.05 s of drafting against a 0.0101 s plain
     step), the gap grows past max_probe_every until probing takes about probe_budget of the
-    plain time, and never past 4 * max_probe_every."""
+    plain time, and never past budget_gap_factor * max_probe_every."""
     ctrl = DraftLengthController(8, probe_every=16, max_probe_every=64, probe_budget=0.02)
     feed(ctrl, 1, 2000, 0.02, flat_verify, 0.05)
     spec_steps = [i for i, k in enumerate(ctrl.history) if k > 0 and i >= len(ctrl.warmup)]
@@ -96,6 +96,15 @@ def test_expensive_probes_are_spaced_to_the_probe_budget():
     plain = flat_verify(1, 1)
     extra = sum(0.05 * ctrl.history[i] + flat_verify(1, ctrl.history[i] + 1) - plain for i in spec_steps[1:])
     assert extra / (plain * (len(ctrl.history) - spec_steps[1])) < 0.03
+    # A probe worth ~10 plain steps at the default 1% budget asks for gaps of ~1000 steps,
+    # past the old cap of 4 * max_probe_every (256); one worth ~50 is capped at
+    # budget_gap_factor * max_probe_every (1024).
+    for drafting, lo, hi in ((0.1, 900, 1023), (0.5, 1024, 1024)):
+        costly = DraftLengthController(8, probe_every=16, max_probe_every=64)
+        feed(costly, 1, 5000, 0.02, flat_verify, drafting)
+        spec_steps = [i for i, k in enumerate(costly.history) if k > 0 and i >= len(costly.warmup)]
+        gaps = [b - a for a, b in zip(spec_steps, spec_steps[1:])]
+        assert len(gaps) >= 3 and all(lo <= g <= hi for g in gaps[1:]), gaps
     # A cheap probe keeps the plain back-off (at most max_probe_every).
     cheap = DraftLengthController(8, probe_every=16, max_probe_every=64)
     feed(cheap, 1, 600, 0.02, flat_verify, 0.002)
