@@ -54,7 +54,7 @@ def compare(dir_a: str, dir_b: str, *, scenes: int = 200, seed: int = 0, max_new
     runs = [evaluate(load_pipeline(d), val, max_new_tokens=max_new_tokens, progress=progress) for d in (dir_a, dir_b)]
     out = {"a": dir_a, "b": dir_b, "scenes": scenes, "seed": seed}
     for key, label in (("caption_ok", "captions"), ("vqa_ok", "vqa")):
-        out[label] = paired_comparison(runs[0]["per_scene"][key], runs[1]["per_scene"][key])
+        out[label] = paired_comparison(*([c == "1" for c in r["per_scene"][key]] for r in runs))
     out["vqa_by_kind"] = {"a": runs[0]["vqa_by_kind"], "b": runs[1]["vqa_by_kind"]}
     return out
 

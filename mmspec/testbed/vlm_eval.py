@@ -196,7 +196,8 @@ def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, pr
         "vqa_by_kind": split([question_kind(s.qa[0][0]) for s in scenes], vqa_ok),  # [right, questions]
         "examples": [{"caption": c, "caption_ok": ok, "question": s.qa[0][0], "answer": a, "answer_ok": aok}
                      for c, ok, a, aok, s in list(zip(captions, cap_ok, answers, vqa_ok, scenes))[:8]],
-        # Per scene, in order (1 = right): two models judged on the same scenes are compared
-        # pair by pair (mmspec/testbed/vlm_compare.py).
-        "per_scene": {"caption_ok": [int(x) for x in cap_ok], "vqa_ok": [int(x) for x in vqa_ok]},
+        # Per scene, in order, one character each ("1" = right): two models judged on the same
+        # scenes are compared pair by pair (mmspec/testbed/vlm_compare.py).
+        "per_scene": {"caption_ok": "".join("1" if x else "0" for x in cap_ok),
+                      "vqa_ok": "".join("1" if x else "0" for x in vqa_ok)},
     }

@@ -533,7 +533,8 @@ def run(cfg: VLMTrainConfig, out: str | Path, stages=STAGES, work: str | Path | 
         record[stage] = result
         record_path.write_text(json.dumps(record, indent=2) + "\n")
         log_path.write_text(json.dumps(log) + "\n")
-        print(json.dumps({stage: {k: v for k, v in result.items() if k != "examples"}}, indent=2), flush=True)
+        print(json.dumps({stage: {k: v for k, v in result.items() if k not in ("examples", "per_scene")}}, indent=2),
+              flush=True)
     if out.is_dir() and (out / "model_index.json").is_file():
         shutil.copy(record_path, out / "metrics.json")
         shutil.copy(log_path, out / "train_log.json")
