@@ -228,16 +228,19 @@ def test_train_vlm_regenerates_shared_drafter_data_for_other_settings(tiny_run):
     assert saved["key"]["num_images"] == 6 and len(saved["examples"]) == 6
 
 
-def test_train_vlm_full_strategy_keeps_cls_as_a_visual_token(tmp_path):
-    """`--vision-feature-select-strategy full`: the processor and the model count 65 visual tokens
-    (64 patches + CLS), the tower stage trains the object-set / count heads on the CLS token (its
-    gradient reaches the CLS position's output), and speculative answers still equal plain."""
+@pytest.mark.parametrize("strategy,tokens", [("full", 65), ("default", 64)])
+def test_train_vlm_full_strategy_keeps_cls_as_a_visual_token(tmp_path, strategy, tokens):
+    """`--vision-feature-select-strategy full` (the default): the processor and the model count 65
+    visual tokens (64 patches + CLS), the tower stage trains the object-set / count heads on the
+    CLS token (its gradient reaches the CLS position's output), and speculative answers still
+    equal plain; `default` (LLaVA's own, CLS dropped) gives 64 and the same guarantees."""
     from mmspec.cli import main
     from mmspec.pipelines import SpeculativeVLMPipeline
     from mmspec.testbed.vlm_tower import TowerHeads
     from mmspec.testbed.vlm_train import VLMTrainConfig
 
-    assert VLMTrainConfig(vision_feature_select_strategy="full").num_visual_tokens == 65
+    assert VLMTrainConfig().vision_feature_select_strategy == "full" and VLMTrainConfig().lm_exists_fraction == 0.5
+    assert VLMTrainConfig(vision_feature_select_strategy=strategy).num_visual_tokens == tokens
     with pytest.raises(ValueError, match="vision_feature_select_strategy"):
         VLMTrainConfig(vision_feature_select_strategy="cls")
     heads = TowerHeads(8, 4)
@@ -246,14 +249,14 @@ def test_train_vlm_full_strategy_keeps_cls_as_a_visual_token(tmp_path):
     (present.sum() + count.sum()).backward()
     assert cls.grad.abs().sum() > 0 and feats.grad is None  # present / count read CLS only
     assert main(["testbed", "train-vlm", "--out", str(tmp_path / "vlm"), *TINY,
-                 "--vision-feature-select-strategy", "full", "--stages", "data,tower,lm,eagle,vispec,eval"]) == 0
+                 "--vision-feature-select-strategy", strategy, "--stages", "data,tower,lm,eagle,vispec,eval"]) == 0
     pipe = SpeculativeVLMPipeline.from_pretrained(tmp_path / "vlm")
-    assert pipe.target.config.vision_feature_select_strategy == "full"
+    assert pipe.target.config.vision_feature_select_strategy == strategy
     scenes = World(seed=5, split="test").sample(2)
     text = pipe.processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
         "type": "text", "text": "what is in the image ?"}]}], add_generation_prompt=True)
     ids = pipe.processor(images=[scenes[0].image], text=[text], return_tensors="pt")["input_ids"][0]
-    assert int((ids == pipe.target.config.image_token_id).sum()) == 65
+    assert int((ids == pipe.target.config.image_token_id).sum()) == tokens
     images, prompts = [s.image for s in scenes], [None, scenes[1].qa[0][0]]
     plain = pipe(images, prompts, max_new_tokens=8, speculative=False)
     for name in sorted(pipe.drafters):

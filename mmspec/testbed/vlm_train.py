@@ -83,9 +83,10 @@ class VLMTrainConfig:
     n_val: int = 200
     image_size: int = 64  # processor crop (scenes are rendered at 64: no resampling)
     patch_size: int = 8
-    # "default": LLaVA drops the tower's CLS token; "full": keeps it as one more visual token, which the
-    # tower stage trains to carry the scene's set of objects and their count (vlm_tower.py)
-    vision_feature_select_strategy: str = "default"
+    # "default": LLaVA drops the tower's CLS token; "full" (the default since session 20): keeps it as one
+    # more visual token, which the tower stage trains to carry the scene's set of objects and their count
+    # (vlm_tower.py); with it the LM answers existence questions from the image on every draw tried
+    vision_feature_select_strategy: str = "full"
     # vision tower + its pretraining
     tower_dim: int = 128
     tower_layers: int = 4
@@ -103,7 +104,7 @@ class VLMTrainConfig:
     lm_batch: int = 32
     lm_lr: float = 2e-3
     lm_shape_weight: float = 1.0  # loss weight of shape-word targets in the LM stage
-    lm_exists_fraction: float = 0.0  # share of the LM stage's Q/A examples drawn from existence questions (0 = all alike)
+    lm_exists_fraction: float = 0.5  # share of the LM stage's Q/A examples drawn from existence questions (0 = all alike)
     lm_tower_layers: int = 0  # last tower layers trained in the LM stage (0 = tower frozen)
     lm_tower_lr_scale: float = 0.25  # their learning rate relative to lm_lr
     warmup: int = 60
