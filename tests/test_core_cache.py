@@ -89,3 +89,32 @@ def test_mask_free_chain_step_records_its_position_at_the_slot_it_writes():
     assert torch.equal(kv.slot_pos[:, :L], before)
     # the dense view of the last step (what a sliding-window mask starts from) sees every slot
     assert bool(att.dense().all()) and att.dense().shape == (B, 1, L + 3)
+
+
+def test_ragged_select_rows_compacts_in_place_like_a_gather():
+    """Rows leaving the batch: the KV buffers are compacted in place (kept rows moved down, the
+    buffers narrowed) and hold exactly what a gather of the kept rows holds, for drops at the
+    front, the middle and the end, and down to no row; rows out of order are gathered. The
+    store keeps working afterwards (a write, then growth past the capacity)."""
+    from mmspec.ragged import RaggedKV
+
+    g = torch.Generator().manual_seed(0)
+    for keep in ([1, 2, 3, 4], [0, 2, 4], [0, 1, 2, 3], [3], [], [4, 0, 2]):
+        kv = RaggedKV(2, torch.ones(5, 3, dtype=torch.long), max_slots=400)
+        keys = [torch.randn(5, 2, kv.capacity, 4, generator=g) for _ in range(2)]
+        values = [torch.randn(5, 2, kv.capacity, 4, generator=g) for _ in range(2)]
+        kv.keys, kv.values = [k.clone() for k in keys], [v.clone() for v in values]
+        base = kv.keys[0].data_ptr()
+        kv.select_rows(torch.tensor(keep, dtype=torch.long), keep)
+        rows = torch.tensor(keep, dtype=torch.long)
+        for layer in range(2):
+            assert torch.equal(kv.keys[layer], keys[layer].index_select(0, rows))
+            assert torch.equal(kv.values[layer], values[layer].index_select(0, rows))
+        in_order = keep == sorted(keep)
+        if keep:  # (an empty tensor has no data pointer)
+            assert (kv.keys[0].data_ptr() == base) == in_order  # in place unless out of order
+        assert kv.length_host == [3] * len(keep) and kv.batch_size == len(keep)
+        if keep:
+            kv.ensure_capacity(kv.capacity + 1)  # growth copies the narrowed buffers
+            assert torch.equal(kv.keys[1][:, :, :3], keys[1].index_select(0, rows)[:, :, :3])
+            assert kv.keys[1].shape[0] == len(keep)
