@@ -56,3 +56,14 @@ def test_compare_vlm_cli_on_the_bundle_against_itself(tmp_path, capsys):
     r = json.loads(out.read_text())
     for key in ("captions", "vqa"):
         assert r[key]["scenes"] == 4 and r[key]["only_a"] == r[key]["only_b"] == 0
+
+
+def test_compare_vlm_refuses_bad_counts():
+    from mmspec.cli import main
+    from mmspec.testbed.vlm_compare import compare
+
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="scenes"):
+            compare("assets/testbed/vlm", "assets/testbed/vlm", scenes=bad)
+    with pytest.raises(ValueError, match="--threads"):
+        main(["testbed", "compare-vlm", "assets/testbed/vlm", "assets/testbed/vlm", "--threads", "0"])

@@ -13,7 +13,7 @@ import torch
 
 from mmspec.testbed.vlm_eval import question_kind
 from mmspec.testbed.vlm_train import VLMTrainConfig, build_processor
-from mmspec.testbed.vlm_tune import _examples
+from mmspec.testbed.vlm_train import sample_examples
 from mmspec.testbed.world import World
 
 TINY = ["--n-train", "16", "--n-val", "2", "--tower-steps", "2", "--tower-layers", "1", "--lm-steps", "2",
@@ -31,7 +31,7 @@ def test_tune_mix_draws_existence_questions_at_the_asked_share():
     # P(existence question) per scene = f + (1 - f) * (its share of existence questions), when it has one
     base = [sum(question_kind(q) == "exists" for q, _ in s.qa) / len(s.qa) for s in scenes]
     for f in (0.5, 0.0):
-        ex = _examples(data, tok, random.Random(0), 0.0, f)
+        ex = sample_examples(data, tok, random.Random(0), 0.0, f)
         assert [i for i, _, _ in ex] == list(range(len(scenes)))
         kinds = _kinds(ex, tok)
         assert "other" not in kinds  # every prompt decodes back to one of the grammar's questions
@@ -45,10 +45,10 @@ def test_tune_mix_draws_existence_questions_at_the_asked_share():
     from mmspec.testbed.vlm_train import encode_examples
 
     lm = encode_examples(data, tok, random.Random(0), VLMTrainConfig(caption_fraction=0.0, lm_exists_fraction=0.5))
-    assert lm == _examples(data, tok, random.Random(0), 0.0, 0.5)
+    assert lm == sample_examples(data, tok, random.Random(0), 0.0, 0.5)
     assert abs(_kinds(lm, tok).count("exists") - sum(p_half)) < 4 * math.sqrt(sum(q * (1 - q) for q in p_half))
     # captions at caption_fraction = 1, answers end with EOS
-    ex = _examples(data, tok, random.Random(0), 1.0, 0.5)
+    ex = sample_examples(data, tok, random.Random(0), 1.0, 0.5)
     assert all(tok.decode(p).startswith("what is in the image") for _, p, _ in ex)
     assert all(a[-1] == tok.eos_token_id for _, _, a in ex)
 

@@ -50,6 +50,8 @@ def compare(dir_a: str, dir_b: str, *, scenes: int = 200, seed: int = 0, max_new
     from mmspec.testbed.vlm_eval import evaluate
     from mmspec.testbed.world import World
 
+    if isinstance(scenes, bool) or not isinstance(scenes, int) or scenes < 1:
+        raise ValueError(f"scenes must be an int >= 1 (validation scenes both models answer), got {scenes!r}")
     val = World(seed=seed, split="validation").sample(scenes)
     runs = [evaluate(load_pipeline(d), val, max_new_tokens=max_new_tokens, progress=progress) for d in (dir_a, dir_b)]
     out = {"a": dir_a, "b": dir_b, "scenes": scenes, "seed": seed}
@@ -72,6 +74,8 @@ def format_comparison(r: dict) -> str:
 def cmd_compare_vlm(args) -> int:
     import torch
 
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     r = compare(args.a, args.b, scenes=args.scenes, seed=args.seed, progress=not args.no_progress)
     print(format_comparison(r))

@@ -83,7 +83,7 @@ class VLMTrainConfig:
     n_val: int = 200
     image_size: int = 64  # processor crop (scenes are rendered at 64: no resampling)
     patch_size: int = 8
-    # "default": LLaVA drops the tower's CLS token; "full" (the default since session 20): keeps it as one
+    # "default": LLaVA drops the tower's CLS token; "full" (the default since session 21): keeps it as one
     # more visual token, which the tower stage trains to carry the scene's set of objects and their count
     # (vlm_tower.py); with it the LM answers existence questions from the image on every draw tried
     vision_feature_select_strategy: str = "full"

@@ -34,18 +34,11 @@ from pathlib import Path
 import torch
 
 
-def _examples(data: dict, tok, rng: random.Random, caption_fraction: float, exists_fraction: float):
-    """One (scene, prompt ids, answer ids + EOS) per scene, with the tune stage's mix."""
-    from mmspec.testbed.vlm_train import sample_examples
-
-    return sample_examples(data, tok, rng, caption_fraction, exists_fraction)
-
-
 def stage_tune(cfg, work: Path, log: dict) -> dict:
     from tqdm import tqdm
 
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-    from mmspec.testbed.vlm_train import CAPTION_PROMPT, cache_states, lm_update, shape_word_ids
+    from mmspec.testbed.vlm_train import CAPTION_PROMPT, cache_states, lm_update, sample_examples, shape_word_ids
 
     source, lm_dir = Path(cfg.tune_from) if cfg.tune_from else work / "pipeline_lm", work / "pipeline_lm"
     if not cfg.tune_from and not lm_dir.is_dir():
@@ -80,7 +73,7 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     bar = tqdm(range(cfg.tune_steps), desc="tune", disable=not cfg.progress)
     for step in bar:
         if len(pool) < cfg.lm_batch:
-            epoch = _examples(train, tok, rng, cfg.caption_fraction, cfg.tune_exists_fraction)
+            epoch = sample_examples(train, tok, rng, cfg.caption_fraction, cfg.tune_exists_fraction)  # the tune mix
             rng.shuffle(epoch)
             pool += epoch
         batch, pool = pool[:cfg.lm_batch], pool[cfg.lm_batch:]
