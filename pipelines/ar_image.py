@@ -87,6 +87,7 @@ class _Watch:
         self.target = target
         self.vocab_size = target.vocab_size
         self.supports_features = getattr(target, "supports_features", False)
+        self.kernels = getattr(target, "kernels", "")
         self.T = num_tokens
         self.count = [0] * batch
         self.rows = list(range(batch))

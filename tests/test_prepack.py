@@ -389,3 +389,93 @@ def test_auto_kernels_mixed_by_row_count(monkeypatch):
     out = mmspec.speculative_generate(target, ModelDrafter(noisy_copy(model, 0.3), 3, prepack=False), ids, mask,
                                       temperature=0, max_new_tokens=10, pad_token_id=0)
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def _mixed_timing(monkeypatch):
+    """Fake kernel timings: packed loses at 1 row and wins at more (a mixed policy)."""
+    from mmspec.models import kernel_choice
+
+    def fake_time(fn, reps):
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+        m = next(iter(cells["inputs"].values())).shape[0]
+        return (2.0 if m == 1 else 1.0) if "packed" in fn.__qualname__ else 1.5
+
+    monkeypatch.setattr(kernel_choice, "_time", fake_time)
+
+
+def _count_packed_calls(monkeypatch) -> list:
+    calls = []
+    forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: calls.append(x.numel() // self.in_features)
+                        or forward(self, x))
+    return calls
+
+
+def test_forwards_at_stock_row_counts_run_the_model_itself(monkeypatch):
+    """Under a mixed policy a forward (and the LM head) at a row count that takes the stock
+    kernel runs the model itself, not the view's packed linears (each would only check the
+    policy and call the stock kernel); larger forwards run the view. Logits are unchanged."""
+    from mmspec.models.prepack import for_rows, mixed_source
+    from mmspec.types import FeatureRequest
+
+    _mixed_timing(monkeypatch)
+    model = tiny_llama(layers=1, seed=5, vocab=V, hidden=48, dtype=torch.float32)
+    target = HFTarget(model)
+    view = target.runner.spec.model
+    assert view is not model and mixed_source(view) is model
+    assert for_rows(view, 1) is model and for_rows(view, 2) is view
+    assert for_rows(model, 1) is model and mixed_source(model) is None  # not a view: itself
+    assert HFTarget(model, prepack=True).runner.spec.model is view and mixed_source(view) is None  # no policy: packed
+    assert for_rows(view, 1) is view
+    target = HFTarget(model)  # "auto" again: the measured (mixed) policy
+    calls = _count_packed_calls(monkeypatch)
+    ids, mask = left_padded([5], vocab=V, seed=3)
+    with torch.no_grad():
+        target.prefill(ids, mask, {}, 8, 4, FeatureRequest(last_hidden=True))
+        calls.clear()
+        one = target.verify(ids[:, -1:], None)
+        assert calls == []  # one row: the model's own stock linears
+        four = target.verify(ids[:, -4:], None)
+        assert calls and set(calls) == {4}  # four rows: the packed view
+        ref = model(input_ids=torch.cat([ids, ids[:, -1:], ids[:, -4:]], 1)).logits[0]  # what the verifies see
+        hidden = torch.randn(1, 1, 48)
+        calls.clear()
+        spec = target.runner.spec
+        assert torch.equal(spec.head(hidden), model.lm_head(hidden)) and calls == []
+        assert torch.allclose(spec.head(hidden.expand(1, 4, 48)), model.lm_head(hidden.expand(1, 4, 48)), atol=1e-5)
+        assert calls == [4]
+    assert one.logits.shape == (1, 1, V) and four.logits.shape == (1, 4, V)
+    assert torch.allclose(one.logits[0, -1], ref[5], atol=1e-4)  # nothing committed: each verify follows the prompt
+    ref4 = model(input_ids=torch.cat([ids, ids[:, -4:]], 1)).logits[0, -4:]
+    assert torch.allclose(four.logits[0], ref4, atol=1e-4)
+
+
+def test_llamagen_target_kernels(monkeypatch):
+    """The LlamaGen GPT spec runs measured kernels too: prepacked greedy tokens equal the
+    stock ones (float32), a mixed policy sends one-row steps to the GPT itself, and
+    prepack=True on a float64 GPT is refused with the reason."""
+    from _llamagen_helpers import LABELS, tiny_gpt
+    from mmspec.drafters import JacobiDrafter
+    from mmspec.models.llamagen_spec import LlamaGenSpec, llamagen_target
+
+    gpt = tiny_gpt(3, dtype=torch.float32)
+    run = lambda target: mmspec.speculative_generate(  # noqa: E731
+        target, JacobiDrafter(4, vocab_size=gpt.args.vocab_size), LABELS.view(-1, 1), temperature=0,
+        max_new_tokens=12)
+    stock, packed = llamagen_target(gpt, 2.0, prepack=False), llamagen_target(gpt, 2.0, prepack=True)
+    assert (stock.kernels, packed.kernels) == ("stock", "prepacked")
+    a, b = run(stock), run(packed)
+    assert torch.equal(a.sequences, b.sequences) and b.stats.kernels.startswith("target prepacked")
+    with pytest.raises(ValueError, match="float64"):
+        LlamaGenSpec(tiny_gpt(3), prepack=True)
+    _mixed_timing(monkeypatch)
+    from mmspec.models import kernel_choice
+
+    kernel_choice._CACHE.clear()
+    target = llamagen_target(gpt, 1.0)  # no CFG: a one-token step of one row is one row
+    assert target.kernels.startswith("mixed by rows (stock at 1")
+    calls = _count_packed_calls(monkeypatch)
+    out = mmspec.speculative_generate(target, JacobiDrafter(4, vocab_size=gpt.args.vocab_size),
+                                      LABELS[:1].view(1, 1), temperature=0, max_new_tokens=12)
+    assert calls and 1 not in calls  # verifies of 5 tokens packed, the one-row prefill on the GPT itself
+    assert torch.equal(out.sequences, run(llamagen_target(gpt, 1.0, prepack=False)).sequences[:1])

@@ -25,6 +25,7 @@ import torch
 
 from mmspec.models.hf_cache import RaggedCache, cache_argument
 from mmspec.models.hf_direct import DirectDecoder, check_layer_range, direct_supported
+from mmspec.models.prepack import for_rows, mixed_source
 from mmspec.ragged import Attention, RaggedKV
 from mmspec.spec import ForwardSpec, SpecOutput
 from mmspec.types import FeatureRequest
@@ -70,22 +71,28 @@ class HFSpec(ForwardSpec):
 
     # ---- pieces shared with drafters -----------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._io_modules()[0](tokens)
+        return self._io_modules()[1](tokens)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._io_modules()[1](hidden)
+        io = self._io_modules()
+        if io[3] is not None and for_rows(self.model, hidden.numel() // hidden.shape[-1]) is not self.model:
+            return io[3](hidden)  # the stock kernel at this row count: the model's own head
+        return io[2](hidden)
 
     def _io_modules(self):
-        """(input embedding, output embedding) of the model as callables, looked up once per
-        request (a drafter calls `embed` / `head` several times per step; the lookup walks VLM
-        wrappers). A plain `nn.Embedding` / `nn.Linear` without hooks is called as the function
-        its forward is (the same kernel on the same parameter, read at call time), sparing the
-        module-call machinery; anything else (a subclass, hooks, a packed view) as the module."""
+        """(model, input embedding, output embedding, the unpacked model's output embedding or
+        None) as callables, looked up once per request (a drafter calls `embed` / `head` several
+        times per step; the lookup walks VLM wrappers). A plain `nn.Embedding` / `nn.Linear`
+        without hooks is called as the function its forward is (the same kernel on the same
+        parameter, read at call time), sparing the module-call machinery; anything else (a
+        subclass, hooks, a packed view) as the module."""
         io = self._io
         if io is None or io[0] is not self.model:
+            stock = mixed_source(self.model)  # a packed view whose policy takes stock kernels at some row counts
             io = self._io = (self.model, _plain_call(self.model.get_input_embeddings()),
-                             _plain_call(self.model.get_output_embeddings()))
-        return io[1], io[2]
+                             _plain_call(self.model.get_output_embeddings()),
+                             None if stock is None else _plain_call(stock.get_output_embeddings()))
+        return io
 
     # ---- per request ---------------------------------------------------------------------------
     def begin(self, input_ids, attention_mask, model_inputs: dict[str, Any]) -> None:
@@ -128,10 +135,11 @@ class HFSpec(ForwardSpec):
         positions = self.positions(attention.q_pos)
         keep = 1 if last_only else 0
         direct = self._direct
+        run = for_rows(self.model, tokens.numel())  # this forward's faster kernel (the model or its packed view)
         # Step forwards carry no images, so a request for image features returns None either way.
-        if direct is not None and type(kv) is RaggedKV and direct.usable(self.model):
+        if direct is not None and type(kv) is RaggedKV and direct.usable(run):
             logits, hidden, layers = direct.forward(
-                self.model, tokens, mask, positions, self._cache_for(kv), keep=keep, last_hidden=features.last_hidden,
+                run, tokens, mask, positions, self._cache_for(kv), keep=keep, last_hidden=features.last_hidden,
                 hidden_layers=tuple(features.hidden_layers))
             return SpecOutput(logits=logits, hidden=hidden, layers=layers, image_features=None,
                               positions=positions if features.positions else None)
@@ -170,14 +178,16 @@ class HFSpec(ForwardSpec):
     def _run(self, input_ids, mask, positions, kv, features: FeatureRequest, *, keep, model_inputs) -> SpecOutput:
         cache = self._cache_for(kv)
         captured: dict[Any, torch.Tensor] = {}
-        handles = self._hooks(features, captured) if not features.empty else []
+        # This forward's faster kernel; image features are read by hooks on the view's modules.
+        run = self.model if features.image_features else for_rows(self.model, input_ids.numel())
+        handles = self._hooks(features, captured, run) if not features.empty else []
         try:
-            out = self.model(
+            out = run(
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
                 use_cache=True,
-                **{cache_argument(self.model): cache},
+                **{cache_argument(run): cache},
                 logits_to_keep=keep,
                 **model_inputs,
             )
@@ -195,7 +205,8 @@ class HFSpec(ForwardSpec):
             positions=positions if features.positions else None,
         )
 
-    def _hooks(self, features: FeatureRequest, captured: dict) -> list:
+    def _hooks(self, features: FeatureRequest, captured: dict, run) -> list:
+        """Forward hooks on `run` (the model or its packed view: the module tree the forward runs)."""
         handles = []
         if features.last_hidden or features.image_features:
 
@@ -210,7 +221,7 @@ class HFSpec(ForwardSpec):
                 if image is not None:
                     captured["image"] = image
 
-            handles.append(self.model.base_model.register_forward_hook(base_hook))
+            handles.append(run.base_model.register_forward_hook(base_hook))
             image_module = self.image_feature_module() if features.image_features else None
             if image_module is not None:
 
@@ -220,9 +231,9 @@ class HFSpec(ForwardSpec):
                 handles.append(image_module.register_forward_hook(image_hook))
         if features.hidden_layers:
             check_layer_range(features.hidden_layers, self.num_layers)
-            layers = _decoder_layers(self.model, self.num_layers)
+            layers = _decoder_layers(run, self.num_layers)
             if layers is None:
-                raise ValueError(f"cannot find the decoder layers of {type(self.model).__name__} to read hidden_layers")
+                raise ValueError(f"cannot find the decoder layers of {type(run).__name__} to read hidden_layers")
             for i in features.hidden_layers:
 
                 def layer_hook(module, args, output, i=i):
