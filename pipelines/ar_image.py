@@ -153,6 +153,11 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             drafter = JacobiDrafter(settings["window"], settings["coupling"], settings["init"])
         self.register_modules(target=target, vq=vq, drafter=drafter)
         self.register_to_config(drafter_config=settings)
+        # Linear kernels of the target and of a GPT drafter (mmspec/models/prepack.py): "auto"
+        # measures stock against oneDNN-prepacked weights once per model and row count on this
+        # machine and runs each forward on the faster; False: stock kernels always (the same
+        # float rounding in every process, for bit-reproducible images across runs); True: packed.
+        self.prepack = "auto"
         self.check_components()
 
     # ---- components ---------------------------------------------------------------------------
@@ -205,10 +210,11 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if isinstance(d, LlamaGenGPT):
             tree = mmspec.TreeConfig(**settings["tree"]) if settings.get("tree") else None
             K = int(settings["num_draft_tokens"])
+            spec = LlamaGenSpec(d, prepack=self.prepack)
             if guided and d.args.has_null_class:
-                return (GuidedModelDrafter(LlamaGenSpec(d), schedule, K, tree, make_uncond=null_class_uncond(d.args.num_classes)),
+                return (GuidedModelDrafter(spec, schedule, K, tree, make_uncond=null_class_uncond(d.args.num_classes)),
                         f"GuidedModelDrafter(K={K}, tree={tree})")
-            drafter = ModelDrafter(LlamaGenSpec(d), tree=tree) if tree else ModelDrafter(LlamaGenSpec(d), K)
+            drafter = ModelDrafter(spec, tree=tree) if tree else ModelDrafter(spec, K)
             return drafter, f"ModelDrafter(K={K}, tree={tree})"
         return d, type(d).__name__
 
@@ -332,7 +338,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         B = labels.shape[0]
         guided = float(guidance_scale) != 1.0
         target = llamagen_target(self.target, guidance_scale, cfg_schedule=cfg_schedule, num_tokens=T,
-                                 codebook=self.vq.codebook().detach())
+                                 codebook=self.vq.codebook().detach(), prepack=self.prepack)
         schedule = cfg_schedule_fn(cfg_schedule, guidance_scale, T)
         drafter, drafter_name = self._drafter_for(speculative, schedule, guided)
         kwargs = dict(acceptance_kwargs or {}) if isinstance(acceptance, str) else None

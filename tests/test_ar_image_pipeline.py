@@ -192,3 +192,28 @@ def test_drafter_object_swap_and_plain_model_drafter():
     out = pipe(LABELS.tolist(), guidance_scale=3.0, temperature=0, output_type="latent")
     assert torch.equal(out.tokens, plain_greedy(pipe.target, scale=3.0))
     assert out.stats.drafter == "ModelDrafter"
+
+
+def test_linear_kernels_are_a_pipeline_setting():
+    """`pipe.prepack` picks the linear kernels of the target and of a GPT drafter: False keeps
+    stock kernels, True packs (float32); both give the same greedy tokens; a bad value or
+    packing a float64 model is refused by name."""
+    from mmspec.bench.imagegen import STOCK, method_spec
+
+    pipe = make_pipe(torch.float32)
+    assert pipe.prepack == "auto"
+    outs = {}
+    for setting in (False, True):
+        pipe.prepack = setting
+        outs[setting] = pipe(LABELS.tolist(), guidance_scale=3.0, temperature=0, output_type="latent")
+    assert outs[False].stats.kernels == "target stock, drafter stock"
+    assert outs[True].stats.kernels == "target prepacked, drafter prepacked"
+    assert torch.equal(outs[False].tokens, outs[True].tokens)
+    pipe.prepack = "fast"
+    with pytest.raises(ValueError, match="prepack"):
+        pipe([0], output_type="latent")
+    pipe64 = make_pipe()
+    pipe64.prepack = True
+    with pytest.raises(ValueError, match="float32 only"):
+        pipe64([0], output_type="latent")
+    assert method_spec("exact/jacobi-maximal@8" + STOCK) == method_spec("exact/jacobi-maximal@8")

@@ -78,6 +78,11 @@ def test_should_prepack_rules(llama32):
         HFTarget(f64, prepack=True)
     with pytest.raises(ValueError, match="prepack"):
         ModelDrafter(f64, 3, prepack="sometimes")
+    hooked = tiny_llama(layers=1, dtype=torch.float32)
+    hooked.model.layers[0].mlp._hf_hook = object()  # how accelerate marks a dispatched module
+    with pytest.raises(ValueError, match="accelerate hooks"):
+        should_prepack(hooked, True)
+    assert should_prepack(hooked, "auto") is False
 
 
 def test_packed_greedy_equals_plain_generate(llama32):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.models.llamagen_spec import llamagen_target
 from mmspec.testbed.judge_model import JUDGE_DIR
 
 # The bundled generator, found from the installed package (the repository root holds assets/),
@@ -81,11 +82,17 @@ METHODS = {
 # Also run by default: Jacobi methods with a fixed window ("@W" overrides the per-batch window),
 # so that the window is chosen from measurements of the same run.
 WINDOW_METHODS = ("exact/jacobi-maximal@8", "exact/jacobi-gumbel@8", "gsd/jacobi-maximal@8")
+# A method name ending in STOCK runs on stock linear kernels (`pipe.prepack = False`); the others on
+# the kernels measured faster on this machine per row count (`"auto"`, the pipeline's default):
+# these rows show what the measured choice gains, and that it never loses.
+STOCK = " [stock]"
+STOCK_METHODS = ("plain" + STOCK, "exact/jacobi-maximal" + STOCK)
 
 
 def method_spec(name: str) -> tuple[str, str | None, str, int | None]:
-    """"exact/jacobi-maximal@8" -> ("jacobi", "maximal", "exact", 8); no "@W": window None."""
-    base, _, window = name.partition("@")
+    """"exact/jacobi-maximal@8" -> ("jacobi", "maximal", "exact", 8); no "@W": window None; a
+    trailing " [stock]" (stock kernels) does not change the spec."""
+    base, _, window = name.removesuffix(STOCK).partition("@")
     if base not in METHODS:
         raise ValueError(f"unknown method {name!r}; known: {list(METHODS)} (Jacobi ones may end in @WINDOW)")
     kind, coupling, acceptance = METHODS[base]
@@ -149,12 +156,12 @@ def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConf
 @torch.no_grad()
 def verify_cost(pipe, B: int, scale: float, widths=(1, 2, 4, 5, 8, 9, 16, 17), context: int = 32, calls: int = 20) -> dict:
     """Median seconds of one target verify forward over Q tokens at `context` committed image
-    tokens, batch B (CFG doubles the rows), and its ratio to the one-token forward."""
-    from mmspec.models.llamagen_spec import llamagen_target
+    tokens, batch B (CFG doubles the rows), and its ratio to the one-token forward (on the
+    pipeline's kernels, `pipe.prepack`)."""
     from mmspec.types import CommitInfo
 
     T = pipe.num_tokens
-    target = llamagen_target(pipe.target, scale, num_tokens=T)
+    target = llamagen_target(pipe.target, scale, num_tokens=T, prepack=pipe.prepack)
     labels = (torch.arange(B) % pipe.num_classes).view(B, 1)
     target.prefill(labels, torch.ones_like(labels), {}, T, max(widths))
     tok = torch.zeros(B, dtype=torch.long)
@@ -214,7 +221,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
     gpt_drafter = _drafter_model_of(pipe)
     _DRAFTER_MODEL[id(pipe)] = gpt_drafter
     scale = cfg.guidance_scale if cfg.guidance_scale is not None else default_guidance(cfg.model)
-    methods = list(cfg.methods) or [m for m in (*METHODS, *WINDOW_METHODS)
+    methods = list(cfg.methods) or [m for m in (*METHODS, *WINDOW_METHODS, *STOCK_METHODS)
                                      if gpt_drafter is not None or method_spec(m)[0] != "model"]
     if "plain" not in methods:
         methods.insert(0, "plain")
@@ -222,6 +229,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
         "target_parameters": sum(p.numel() for p in pipe.target.parameters()),
         "drafter_parameters": None if gpt_drafter is None else sum(p.numel() for p in gpt_drafter.parameters()),
         "image_tokens": pipe.num_tokens, "codebook": pipe.target.args.vocab_size, "torch_threads": torch.get_num_threads(),
+        "kernels": llamagen_target(pipe.target, scale).kernels,  # measured here, once per model
     }, "batches": []}
     labels = [i % pipe.num_classes for i in range(cfg.images)]
     for bi, B in enumerate(cfg.batch_sizes):
@@ -233,9 +241,11 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
             for m in methods:
                 kind, coupling, _, window = method_spec(m)
                 _set_drafter(pipe, gpt_drafter, kind, coupling, K, W, window)
+                pipe.prepack = False if m.endswith(STOCK) else "auto"
                 res = run_method(pipe, labels, B, m, cfg, scale, cfg.seed + r)
                 if r > 0:
                     runs[m].append(res)
+            pipe.prepack = "auto"
             progress(f"batch {B}: round {r}/{cfg.repeats} done")
         plain_wall = statistics.median(x["wall_s"] for x in runs["plain"])
         rows = {}
@@ -266,6 +276,8 @@ def format_table(report: dict) -> str:
     lines.append(f"image generation: target {m['target_parameters'] / 1e6:.2f}M params, drafter {drafter}, "
                  f"{m['image_tokens']} tokens/image, codebook {m['codebook']}, guidance "
                  f"{report['config']['guidance_scale']}, threads {m['torch_threads']}")
+    if m.get("kernels"):
+        lines.append(f"target kernels (measured on this machine; rows '{STOCK.strip()}': stock kernels): {m['kernels']}")
     for e in report["batches"]:
         ratio = e["verify_cost"]["ratio_to_one_token"]
         lines.append(f"\nbatch {e['batch_size']} (model drafter K={e['draft_tokens']}, Jacobi window {e['window']}); "

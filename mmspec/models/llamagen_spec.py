@@ -58,6 +58,7 @@ class LlamaGenSpec(ForwardSpec):
         self.model = gpt  # the user's model; `gpt` is what runs (the model or its packed view)
         self.gpt = maybe_packed(gpt, prepack) if not gpt.training else gpt
         self.kernels = kernels_of(self.gpt, gpt)
+        self._fresh = True  # the view was just checked against the model: the first request skips `refresh`
         self.args = gpt.args
         self.num_layers = gpt.args.n_layer
         self.vocab_size = gpt.args.vocab_size
@@ -69,7 +70,9 @@ class LlamaGenSpec(ForwardSpec):
     # ---- per request -----------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
         super().begin(input_ids, attention_mask, model_inputs)  # refuses extra model inputs
-        self.gpt = refresh(self.gpt)  # a packed view follows changes to its model since the last request
+        if not self._fresh:  # a packed view follows changes to its model since the last request
+            self.gpt = refresh(self.gpt)
+        self._fresh = False
         n_cls = self.args.cls_token_num
         if input_ids.shape[1] != n_cls:
             raise ValueError(
