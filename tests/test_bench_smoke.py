@@ -105,3 +105,30 @@ def test_bench_core_refuses_zero_repeats_instead_of_using_the_default():
 
     with pytest.raises(SystemExit, match="repeats"):
         main(["bench", "core", "--smoke", "--repeats", "0"])
+
+
+def test_verify_widths_are_timed_warm(monkeypatch):
+    """`time_widths` times each width after warm calls of that width: with a fake clock where a
+    forward costs Q and a change of width costs 10 more (cold caches), the ratios are the warm
+    ones; without warm calls the same clock gives the biased ratios (so the test can fail)."""
+    import pytest
+
+    from mmspec.bench import widths as W
+
+    clock = {"t": 0.0, "last": None}
+    order = []
+
+    def call(Q):
+        clock["t"] += Q + (10.0 if clock["last"] not in (None, Q) else 0.0)
+        clock["last"] = Q
+        order.append(Q)
+
+    monkeypatch.setattr(W.time, "perf_counter", lambda: clock["t"])
+    got = W.time_widths(call, (1, 4, 17), rounds=4, warm=2)
+    assert got["seconds"] == {"1": 1.0, "4": 4.0, "17": 17.0}
+    assert got["ratio_to_one_token"] == {"1": 1.0, "4": 4.0, "17": 17.0}
+    assert order[:9] == [1, 1, 1, 4, 4, 4, 17, 17, 17] and order[9:12] == [17, 17, 17]  # reversed every other round
+    cold = W.time_widths(call, (1, 4, 17), rounds=4, warm=0)
+    assert cold["ratio_to_one_token"]["17"] < 17.0 / 2  # the bias the warm calls remove
+    with pytest.raises(ValueError, match="include 1"):
+        W.time_widths(call, (2, 4))

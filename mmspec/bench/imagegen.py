@@ -158,6 +158,7 @@ def verify_cost(pipe, B: int, scale: float, widths=(1, 2, 4, 5, 8, 9, 16, 17), c
     """Median seconds of one target verify forward over Q tokens at `context` committed image
     tokens, batch B (CFG doubles the rows), and its ratio to the one-token forward (on the
     pipeline's kernels, `pipe.prepack`)."""
+    from mmspec.bench.widths import time_widths
     from mmspec.types import CommitInfo
 
     T = pipe.num_tokens
@@ -172,17 +173,8 @@ def verify_cost(pipe, B: int, scale: float, widths=(1, 2, 4, 5, 8, 9, 16, 17), c
                                  num_accepted_list=[0] * B))
     batches = {Q: torch.randint(pipe.target.args.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q))
                for Q in widths}
-    for tokens in batches.values():
-        target.verify(tokens, None)  # warm-up (verify without commit leaves the cache as it was)
-    times: dict[int, list[float]] = {Q: [] for Q in widths}
-    for _ in range(calls):  # interleaved, so load drift hits every width alike
-        for Q, tokens in batches.items():
-            t0 = time.perf_counter()
-            target.verify(tokens, None)
-            times[Q].append(time.perf_counter() - t0)
-    result = {Q: statistics.median(t) for Q, t in times.items()}
-    return {"seconds": {str(q): round(t, 6) for q, t in result.items()},
-            "ratio_to_one_token": {str(q): round(t / result[1], 3) for q, t in result.items()}}
+    # verify without commit leaves the cache as it was; warm calls per width (mmspec/bench/widths.py)
+    return time_widths(lambda Q: target.verify(batches[Q], None), widths, rounds=calls)
 
 
 def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str], progress) -> dict:

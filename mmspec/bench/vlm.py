@@ -183,6 +183,7 @@ def run_round(pipe, methods, images, prompts, B: int, cfg: VLMBenchConfig) -> di
 def verify_cost(pipe, images, B: int, widths, calls: int = 20) -> dict:
     """Median seconds of one target verify forward over Q tokens at batch B right after the
     image + caption prompt, and its ratio to the one-token forward."""
+    from mmspec.bench.widths import time_widths
     from mmspec.types import FeatureRequest
 
     imgs = [images[i % len(images)] for i in range(B)]
@@ -194,17 +195,8 @@ def verify_cost(pipe, images, B: int, widths, calls: int = 20) -> dict:
     target.prefill(enc["input_ids"], enc["attention_mask"], inputs, 8, max(widths), FeatureRequest())
     batches = {Q: torch.randint(5, target.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q))
                for Q in widths}
-    for tokens in batches.values():
-        target.verify(tokens, None)  # warm-up (verify without commit leaves the cache as it was)
-    times: dict[int, list[float]] = {Q: [] for Q in widths}
-    for _ in range(calls):
-        for Q, tokens in batches.items():
-            t0 = time.perf_counter()
-            target.verify(tokens, None)
-            times[Q].append(time.perf_counter() - t0)
-    med = {Q: statistics.median(t) for Q, t in times.items()}
-    return {"seconds": {str(q): round(t, 6) for q, t in med.items()},
-            "ratio_to_one_token": {str(q): round(t / med[1], 3) for q, t in med.items()}}
+    # verify without commit leaves the cache as it was; warm calls per width (mmspec/bench/widths.py)
+    return time_widths(lambda Q: target.verify(batches[Q], None), widths, rounds=calls)
 
 
 def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
