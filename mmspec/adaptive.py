@@ -69,6 +69,7 @@ BanditSpec (Hou et al. 2025, arXiv 2505.15141) treats the choice of K as a bandi
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 
@@ -214,6 +215,17 @@ class DraftLengthController:
             square += (2 * i + 3) * run  # E[G^2] = sum_i (2i + 1) P(G > i)
         return mean, max(square - mean * mean, 0.0)
 
+    def _all_moments(self, rates: list[float]) -> list[tuple[float, float]]:
+        """`token_moments(k, rates)` for k = 0..k_max in one pass (the same sums, accumulated)."""
+        out = [(1.0, 0.0)]
+        mean, square, run = 1.0, 1.0, 1.0
+        for i in range(self.k_max):
+            run *= rates[i]
+            mean += run
+            square += (2 * i + 3) * run
+            out.append((mean, max(square - mean * mean, 0.0)))
+        return out
+
     def per_row_seconds(self, batch: int, k: int, seconds: float | None = None) -> float:
         """The part of a step's seconds at (batch, K) that each row adds (beta_K): the slopes of
         the fitted cost lines (seconds per token processed) times the tokens a row processes,
@@ -239,21 +251,26 @@ class DraftLengthController:
         K is exactly that of tokens per second."""
         return self._finish_seconds(batch, k, remaining, self.acceptance())
 
-    def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float]) -> float | None:
+    def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float],
+                        moments: tuple[float, float] | None = None, sorted_remaining: bool = False,
+                        total: int | None = None) -> float | None:
+        """`finish_seconds` with what a caller ranking every K computes once: `moments` of K,
+        `remaining` already sorted, its `total`."""
         s = self.seconds(batch, k)
         if s is None or s <= 0:
             return None
-        mean, var = self.token_moments(k, rates)
-        r = max(remaining)
+        mean, var = self.token_moments(k, rates) if moments is None else moments
+        ordered = remaining if sorted_remaining else sorted(remaining)
+        r = ordered[-1]
         # The rows that can still finish last: those within two sd (in tokens) of the slowest.
         reach = 2.0 * math.sqrt(r / mean * var)
-        rivals = sum(1 for x in remaining if x >= r - reach)
+        rivals = len(ordered) - bisect.bisect_left(ordered, r - reach)
         spread = math.sqrt(2.0 * math.log(rivals)) if rivals > 1 else 0.0
         steps = min(r / mean + spread * math.sqrt(r * var / mean ** 3), r)
         if batch == 1:
             return s * steps
         beta = self.per_row_seconds(batch, k, s)
-        return (s - batch * beta) * steps + beta * sum(remaining) / mean
+        return (s - batch * beta) * steps + beta * (total if total is not None else sum(remaining)) / mean
 
     # ---- the decision ---------------------------------------------------------------------------
     def choose(self, batch: int, remaining: list[int] | None = None) -> int:
@@ -310,7 +327,10 @@ class DraftLengthController:
         if remaining:
             # Rate = inverse projected time (only the ranking matters).
             acc = self.acceptance()  # once per step, not once per K
-            times = {k: self._finish_seconds(batch, k, remaining, acc) for k in range(self.k_max + 1)}
+            moments = self._all_moments(acc)  # one pass for every K (token_moments is O(K) each)
+            ordered, total = sorted(remaining), sum(remaining)
+            times = {k: self._finish_seconds(batch, k, ordered, acc, moments[k], True, total)
+                     for k in range(self.k_max + 1)}
             return {k: None if t is None else 1.0 / t for k, t in times.items()}
         return {k: self.rate(batch, k) for k in range(self.k_max + 1)}
 

@@ -233,3 +233,24 @@ def test_drafts_after_plain_steps_are_the_drafters_own_greedy_continuation(scrip
             assert torch.equal(tokens[b], ref), (b, m, tokens[b], ref)
             checked += 1
     assert checked >= 8
+
+
+def test_ranking_every_k_at_once_equals_finish_seconds_per_k():
+    """`choose` ranks all K with moments accumulated in one pass and the rows' budgets sorted
+    once; each projection equals the public `finish_seconds(batch, K, remaining)`."""
+    rng = random.Random(3)
+    c = DraftLengthController(6)
+    checked = 0
+    for step in range(300):
+        remaining = [rng.randint(1, 60) for _ in range(16)]
+        k = c.choose(16, remaining)
+        c.observe(16, k, [rng.randint(0, k) for _ in range(16)], 1e-3 * k, 1e-2 * (1 + 0.1 * k))
+        rates = c._rates(16, remaining)
+        for kk in range(7):
+            t = c.finish_seconds(16, kk, remaining)
+            assert (t is None) == (rates[kk] is None)
+            if t is not None:
+                assert rates[kk] == pytest.approx(1.0 / t, rel=1e-12)
+                checked += 1
+    assert checked > 1000
+    assert c._all_moments(c.acceptance()) == [c.token_moments(kk) for kk in range(7)]
