@@ -104,8 +104,12 @@ class JacobiDrafter:
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         have = self.have_logits[:, :N]
         known = process_logits(self.logits[:, :N], sampling)  # [B, N, V]
-        init_q = self._init_q(known, have, sampling)
-        q = torch.where(have.unsqueeze(-1), known, init_q)
+        if self.init == "random":  # uniform where nothing is recycled: one masked fill
+            init_q = None
+            q = known.masked_fill(~have.unsqueeze(-1), 1.0 / V)
+        else:
+            init_q = self._init_q(known, have, sampling)
+            q = torch.where(have.unsqueeze(-1), known, init_q)
         if sampling.greedy:
             random_tokens = torch.randint(V, (B, N), generator=generator, device=generator.device if generator
                                           is not None else device).to(device)

@@ -100,8 +100,11 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
         probs = probs.double()
     cdf = probs.cumsum(-1)
     # One check for every kind of bad row (no host sync: a where, not a branch): the uniform
-    # row's running sum 1..V replaces theirs.
-    bad = ~((torch.isfinite(probs) & (probs >= 0)).all(-1, keepdim=True) & (cdf[:, -1:] > 0))
+    # row's running sum 1..V replaces theirs. A NaN or inf weight, or finite weights whose sum
+    # overflows, leave a total that is not finite; a negative weight (or NaN) fails min >= 0:
+    # two reductions instead of three elementwise passes and a reduction over [B, V].
+    total = cdf[:, -1:]
+    bad = ~(torch.isfinite(total) & (total > 0) & (probs.amin(-1, keepdim=True) >= 0))
     cdf = torch.where(bad, torch.arange(1, probs.shape[-1] + 1, device=cdf.device, dtype=cdf.dtype), cdf)
     total = cdf[:, -1:]
     where = generator.device if generator is not None else probs.device

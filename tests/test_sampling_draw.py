@@ -66,3 +66,9 @@ def test_never_past_the_mass_and_bad_rows_are_uniform():
     for r in range(3):
         counts = torch.bincount(draws[r], minlength=3)
         assert bool((counts > 800).all()), (r, counts)
+    # An inf weight, and finite float32 weights whose running sum overflows to inf: uniform too.
+    bad32 = torch.tensor([[float("inf"), 1.0, 1.0], [3e38, 3e38, 1.0]])
+    draws = sample_from(bad32.repeat_interleave(3000, 0), g).view(2, 3000)
+    for r in range(2):
+        counts = torch.bincount(draws[r], minlength=3)
+        assert bool((counts > 800).all()), (r, counts)
