@@ -13,6 +13,13 @@ Model (per step, B active rows, K drafts per row):
   steps keep every row in step. A row needing r tokens takes ~ r / E[G] steps with sd
   sqrt(r Var[G] / E[G]^3) (G: tokens per step), and the last of B rows lags by ~ sqrt(2 ln B)
   of those sd (`finish_seconds`; within 8% of a simulated batch, tests/test_core_adaptive_batch.py).
+  Rows also differ in acceptance (one prompt is easier to draft than another), which widens the
+  gap to the slowest row beyond that step-to-step noise: the controller counts each row's
+  accepted and judged drafts during a request (the loop passes row ids) and, when the next
+  request begins, folds the variance of the per-row rates, less binomial noise, into
+  `between_var`; the projection adds the steps a row sigma_a below the mean rate needs
+  (measured on the 47% bench pair at batch 4: the slowest row took 39 steps at K = 1 where
+  independent rows project 37).
   Rows that are done leave the batch, so only a step's fixed part is paid until the last row
   is done; its per-row part (the slope of the cost lines below) is paid for each row's own
   steps. Charging whole steps until the last row is done made the tail look as expensive as
@@ -179,6 +186,11 @@ class DraftLengthController:
         self.min_gain = float(min_gain)
         self.steps = 0
         self.history: list[int] = []
+        # How much rows differ in acceptance (variance of the per-row rate), learned request by
+        # request from per-row counts (`begin_request`); 0 until measured: rows as independent draws.
+        self.between_var = 0.0
+        self.between_requests = 0
+        self._row_counts: dict = {}  # row id -> [accepted drafts, tried drafts] in the current request
         self.last_choice = k0
 
     # ---- estimates ------------------------------------------------------------------------------
@@ -226,6 +238,19 @@ class DraftLengthController:
             out.append((mean, max(square - mean * mean, 0.0)))
         return out
 
+    @staticmethod
+    def _mean_slopes(rates: list[float], k_max: int) -> list[float]:
+        """d E[G](K) / d delta for K = 0..k_max when every position's rate moves by delta (how
+        much a row's tokens per step follow its own acceptance): with P_i = a_1 ... a_i,
+        E[G] = 1 + sum_i P_i and dP_i = dP_(i-1) a_i + P_(i-1)."""
+        out, p, dp, total = [0.0], 1.0, 0.0, 0.0
+        for i in range(k_max):
+            dp = dp * rates[i] + p
+            p *= rates[i]
+            total += dp
+            out.append(total)
+        return out
+
     def per_row_seconds(self, batch: int, k: int, seconds: float | None = None) -> float:
         """The part of a step's seconds at (batch, K) that each row adds (beta_K): the slopes of
         the fitted cost lines (seconds per token processed) times the tokens a row processes,
@@ -253,20 +278,30 @@ class DraftLengthController:
 
     def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float],
                         moments: tuple[float, float] | None = None, sorted_remaining: bool = False,
-                        total: int | None = None) -> float | None:
+                        total: int | None = None, slope: float | None = None) -> float | None:
         """`finish_seconds` with what a caller ranking every K computes once: `moments` of K,
-        `remaining` already sorted, its `total`."""
+        `remaining` already sorted, its `total`, the `slope` of E[G] in the rates (`_mean_slopes`)."""
         s = self.seconds(batch, k)
         if s is None or s <= 0:
             return None
         mean, var = self.token_moments(k, rates) if moments is None else moments
         ordered = remaining if sorted_remaining else sorted(remaining)
         r = ordered[-1]
+        # Rows also differ in acceptance (prompt by prompt): a row whose tokens per step sit
+        # sigma_m below the mean needs r sigma_m / mean^2 more steps, on top of the step-to-step
+        # noise r Var[G] / mean^3 (in steps^2).
+        if self.between_var > 0.0 and k > 0:
+            if slope is None:
+                slope = self._mean_slopes(rates, k)[k]
+            between = (r * math.sqrt(self.between_var) * slope / mean ** 2) ** 2
+        else:
+            between = 0.0
+        step_var = r * var / mean ** 3 + between
         # The rows that can still finish last: those within two sd (in tokens) of the slowest.
-        reach = 2.0 * math.sqrt(r / mean * var)
+        reach = 2.0 * math.sqrt(step_var) * mean
         rivals = len(ordered) - bisect.bisect_left(ordered, r - reach)
         spread = math.sqrt(2.0 * math.log(rivals)) if rivals > 1 else 0.0
-        steps = min(r / mean + spread * math.sqrt(r * var / mean ** 3), r)
+        steps = min(r / mean + spread * math.sqrt(step_var), r)
         if batch == 1:
             return s * steps
         beta = self.per_row_seconds(batch, k, s)
@@ -328,8 +363,9 @@ class DraftLengthController:
             # Rate = inverse projected time (only the ranking matters).
             acc = self.acceptance()  # once per step, not once per K
             moments = self._all_moments(acc)  # one pass for every K (token_moments is O(K) each)
+            slopes = self._mean_slopes(acc, self.k_max)
             ordered, total = sorted(remaining), sum(remaining)
-            times = {k: self._finish_seconds(batch, k, ordered, acc, moments[k], True, total)
+            times = {k: self._finish_seconds(batch, k, ordered, acc, moments[k], True, total, slopes[k])
                      for k in range(self.k_max + 1)}
             return {k: None if t is None else 1.0 / t for k, t in times.items()}
         return {k: self.rate(batch, k) for k in range(self.k_max + 1)}
@@ -341,13 +377,45 @@ class DraftLengthController:
             k = 0  # speculation must pay by the margin
         return k
 
+    def begin_request(self) -> None:
+        """A new request starts (the loop calls this once per call): fold the last request's
+        per-row acceptance into `between_var` and count afresh."""
+        est = self._row_spread()
+        if est is not None:
+            self.between_var = est if self.between_requests == 0 else 0.7 * self.between_var + 0.3 * est
+            self.between_requests += 1
+        self._row_counts = {}
+
+    def _row_spread(self, min_tried: int = 4) -> float | None:
+        """Method of moments over the rows of one request: the variance of the per-row acceptance
+        rates less what binomial noise alone gives at each row's number of judged drafts
+        (clamped at 0); None with fewer than two rows that judged `min_tried` drafts."""
+        rows = [(a, t) for a, t in self._row_counts.values() if t >= min_tried]
+        if len(rows) < 2:
+            return None
+        p = sum(a for a, _ in rows) / sum(t for _, t in rows)
+        observed = sum((a / t - p) ** 2 for a, t in rows) / (len(rows) - 1)
+        noise = sum(p * (1 - p) / t for _, t in rows) / len(rows)
+        return max(observed - noise, 0.0)
+
     def skip_draft_cost_once(self) -> None:
         """The current step's drafting includes one-off work (a catch-up after plain steps,
         a deferred prefill): its seconds are not the per-step cost of drafting."""
         self._skip_draft_cost = True
 
-    def observe(self, batch: int, k: int, accepted: list[int], draft_seconds: float, verify_seconds: float) -> None:
-        """Learn from a finished step: per-row accepted drafts (by the rule, before any EOS cut)."""
+    def observe(self, batch: int, k: int, accepted: list[int], draft_seconds: float, verify_seconds: float,
+                rows: list[int] | None = None) -> None:
+        """Learn from a finished step: per-row accepted drafts (by the rule, before any EOS cut);
+        `rows`: an id per row, stable within a request (the loop passes each row's input index),
+        for the per-row acceptance counts behind `between_var`."""
+        if rows is not None and k > 0 and len(rows) == len(accepted):
+            counts = self._row_counts
+            for rid, n in zip(rows, accepted):
+                c = counts.get(rid)
+                if c is None:
+                    c = counts[rid] = [0, 0]
+                c[0] += min(n, k)
+                c[1] += min(n + 1, k)  # drafts judged: the accepted ones and the first rejected one
         if self._probe_base is not None:
             self._probe_seconds = draft_seconds + verify_seconds
             self._probe_tokens = batch + sum(min(n, k) for n in accepted)

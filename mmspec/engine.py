@@ -321,6 +321,10 @@ class _Loop:
         self.controller = None
         if getattr(drafter, "adaptive", False):
             self.controller = getattr(drafter, "controller", None) or DraftLengthController(drafter.max_draft_nodes)
+        # mmspec's controller also learns how rows differ in acceptance (per-row counts by row id).
+        self._row_ids = isinstance(self.controller, DraftLengthController)
+        if self._row_ids:
+            self.controller.begin_request()
         # The K = 0 shortcut is taken only for rules whose K = 0 verdict is known to be
         # "sample the target" (the base class's vectorised verify, not overridden).
         self.plain_step = _plain_k0(rule)
@@ -344,6 +348,7 @@ class _Loop:
 
     def step(self, emitter: _Emitter) -> None:
         k = None
+        rows = emitter.rows_host  # this step's rows (dropping finished rows replaces the list)
         if self.controller is not None:
             # The batch is done when its slowest row is: the controller weighs that (rows drift
             # apart under speculation, plain steps keep them together).
@@ -386,7 +391,11 @@ class _Loop:
         t3 = self.timer.mark()
         if self.controller is not None:
             # Host clocks: the step's sync (in emit) has completed the verify work by h2.
-            self.controller.observe(len(n_host), k, n_host, (h1 - h0) + (time.perf_counter() - h2), h2 - h1)
+            seconds = ((h1 - h0) + (time.perf_counter() - h2), h2 - h1)
+            if self._row_ids:
+                self.controller.observe(len(n_host), k, n_host, *seconds, rows=rows)
+            else:
+                self.controller.observe(len(n_host), k, n_host, *seconds)
         self.timer.charge("draft", t0, t1)
         self.timer.charge("verify", t1, t2)
         self.timer.charge("draft", t2, t3)

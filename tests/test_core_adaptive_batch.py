@@ -254,3 +254,91 @@ def test_ranking_every_k_at_once_equals_finish_seconds_per_k():
                 checked += 1
     assert checked > 1000
     assert c._all_moments(c.acceptance()) == [c.token_moments(kk) for kk in range(7)]
+
+
+def feed_request(ctrl, rates, k, steps, rng):
+    """One simulated request: every row judges a chain of k drafts per step, each accepted with
+    its own row's rate (first rejection stops), reported with the row ids the loop passes."""
+    ctrl.begin_request()
+    rows = list(range(len(rates)))
+    for _ in range(steps):
+        accepted = []
+        for a in rates:
+            n = 0
+            while n < k and rng.random() < a:
+                n += 1
+            accepted.append(n)
+        ctrl.observe(len(rows), k, accepted, 0.0, 1.0, rows=rows)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rows_that_differ_in_acceptance_are_measured(k):
+    """The per-row acceptance of a request, less binomial noise, estimates how much rows differ:
+    16 rows at 0.45 +- 0.15 (sd) give a variance near 0.0225; identical rows near 0 (and the two
+    estimates are far apart: the test can fail either way)."""
+    rng = random.Random(k)
+    spread = [min(max(0.45 + rng.gauss(0, 0.15), 0.02), 0.98) for _ in range(16)]
+    true_var = statistics_var(spread)
+    hetero, same = DraftLengthController(6), DraftLengthController(6)
+    for _ in range(6):
+        feed_request(hetero, spread, k, 40, rng)
+        feed_request(same, [0.45] * 16, k, 40, rng)
+    hetero.begin_request(), same.begin_request()  # fold the last request in
+    assert hetero.between_requests == 6 and same.between_requests == 6
+    assert 0.5 * true_var < hetero.between_var < 1.6 * true_var, (hetero.between_var, true_var)
+    assert same.between_var < 0.25 * true_var, same.between_var
+
+
+def statistics_var(xs):
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def simulated_hetero_steps(batch, k, a, sd, r, runs, seed):
+    """`simulated_steps` with each row's rate drawn around `a` (sd `sd`) per batch."""
+    rng = random.Random(seed)
+    total = 0
+    for _ in range(runs):
+        rates = [min(max(a + rng.gauss(0, sd), 0.0), 0.99) for _ in range(batch)]
+        left, steps = [r] * batch, 0
+        while max(left) > 0:
+            steps += 1
+            for i in range(batch):
+                if left[i] > 0:
+                    g = 1
+                    while g <= k and rng.random() < rates[i]:
+                        g += 1
+                    left[i] -= g
+        total += steps
+    return total / runs
+
+
+@pytest.mark.parametrize("batch,k,a", [(16, 3, 0.45), (4, 1, 0.45), (16, 1, 0.69)])
+def test_projection_with_rows_that_differ_matches_a_simulated_batch(batch, k, a):
+    """Rows whose rates differ by sd 0.15: with `between_var` the projected steps match a
+    simulated batch within 10%; without it (independent rows) the projection of 16 rows at
+    K = 3 is more than 10% too optimistic, the error that let K > 0 look faster than it ran."""
+    ctrl = fixed_rate_controller(8, a)
+    ctrl.observe(batch, k, [0] * batch, 0.0, 1.0)
+    r = 48
+    simulated = simulated_hetero_steps(batch, k, a, 0.15, r, runs=200, seed=batch + k)
+    independent = ctrl.finish_seconds(batch, k, [r] * batch) / ctrl.seconds(batch, k)
+    ctrl.between_var = 0.15 ** 2
+    projected = ctrl.finish_seconds(batch, k, [r] * batch) / ctrl.seconds(batch, k)
+    assert abs(projected / simulated - 1.0) < 0.10, (projected, simulated)
+    assert projected > independent
+    if (batch, k) == (16, 3):
+        assert independent < 0.9 * simulated, (independent, simulated)
+    ctrl.between_var = 0.0
+    assert ctrl.finish_seconds(batch, k, [r] * batch) / ctrl.seconds(batch, k) == independent
+
+
+def test_the_loop_reports_row_ids_and_requests():
+    target = tiny_llama(layers=2, seed=0)
+    drafter = ModelDrafter(noisy_copy(target, 0.3), "auto", max_draft_tokens=3)
+    ids, mask = left_padded([9, 5, 7])
+    for call in range(2):
+        mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=16, pad_token_id=0)
+        assert set(drafter.controller._row_counts) == {0, 1, 2}  # the rows of this call, by input index
+        assert all(t > 0 for _, t in drafter.controller._row_counts.values())
+    assert drafter.controller.between_requests == 1  # the first call's rows were folded in when the second began
