@@ -26,19 +26,21 @@ def fixed_rate_controller(k_max: int, a: float) -> DraftLengthController:
     return DraftLengthController(k_max, prior_acceptance=a, prior_weight=1e9, warmup=(), probe_every=0)
 
 
-def simulated_steps(batch: int, k: int, a: float, r: int, runs: int, seed: int) -> float:
+def simulated_steps(batch: int, k: int, a: float, r: int, runs: int, seed: int, sd: float = 0.0) -> float:
     """Mean number of steps until every one of `batch` rows has emitted r tokens, each row
-    emitting 1 + (run of accepted drafts, each accepted with probability a, at most k) per step."""
+    emitting 1 + (run of accepted drafts, each accepted with probability a, at most k) per step;
+    with `sd` > 0 each row's rate is drawn around a (that sd, clipped) for every batch."""
     rng = random.Random(seed)
     total = 0
     for _ in range(runs):
+        rates = [a] * batch if sd == 0 else [min(max(a + rng.gauss(0, sd), 0.0), 0.99) for _ in range(batch)]
         left, steps = [r] * batch, 0
         while max(left) > 0:
             steps += 1
             for i in range(batch):
                 if left[i] > 0:
                     g = 1
-                    while g <= k and rng.random() < a:
+                    while g <= k and rng.random() < rates[i]:
                         g += 1
                     left[i] -= g
         total += steps
@@ -294,25 +296,6 @@ def statistics_var(xs):
     return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
 
 
-def simulated_hetero_steps(batch, k, a, sd, r, runs, seed):
-    """`simulated_steps` with each row's rate drawn around `a` (sd `sd`) per batch."""
-    rng = random.Random(seed)
-    total = 0
-    for _ in range(runs):
-        rates = [min(max(a + rng.gauss(0, sd), 0.0), 0.99) for _ in range(batch)]
-        left, steps = [r] * batch, 0
-        while max(left) > 0:
-            steps += 1
-            for i in range(batch):
-                if left[i] > 0:
-                    g = 1
-                    while g <= k and rng.random() < rates[i]:
-                        g += 1
-                    left[i] -= g
-        total += steps
-    return total / runs
-
-
 @pytest.mark.parametrize("batch,k,a", [(16, 3, 0.45), (4, 1, 0.45), (16, 1, 0.69)])
 def test_projection_with_rows_that_differ_matches_a_simulated_batch(batch, k, a):
     """Rows whose rates differ by sd 0.15: with `between_var` the projected steps match a
@@ -321,7 +304,7 @@ def test_projection_with_rows_that_differ_matches_a_simulated_batch(batch, k, a)
     ctrl = fixed_rate_controller(8, a)
     ctrl.observe(batch, k, [0] * batch, 0.0, 1.0)
     r = 48
-    simulated = simulated_hetero_steps(batch, k, a, 0.15, r, runs=200, seed=batch + k)
+    simulated = simulated_steps(batch, k, a, r, runs=200, seed=batch + k, sd=0.15)
     independent = ctrl.finish_seconds(batch, k, [r] * batch) / ctrl.seconds(batch, k)
     ctrl.between_var = 0.15 ** 2
     projected = ctrl.finish_seconds(batch, k, [r] * batch) / ctrl.seconds(batch, k)
