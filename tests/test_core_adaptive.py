@@ -4,6 +4,7 @@ follow measured costs and acceptance (fed synthetic measurements, so determinist
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import mmspec
@@ -308,3 +309,25 @@ def test_acceptance_memory_counts_outcomes_so_a_small_gain_at_batch_1_is_kept():
 
     assert speculating(32) >= 0.45
     assert speculating(10) <= 0.3
+
+
+def test_the_first_steps_of_a_request_teach_only_unmeasured_costs():
+    """Right after a prefill every forward is slower (cold caches): within a marked request the
+    first `cold_steps` steps set a cost only where none is known, and never move a known one;
+    later steps do. Unmarked use (no `begin_request`) learns from every step."""
+    ctrl = DraftLengthController(4, warmup=(), probe_every=0)
+    ctrl.begin_request()
+    ctrl.observe(2, 0, [0, 0], 0.0, 0.030)  # cold, but the first plain cost at batch 2: kept
+    ctrl.observe(2, 0, [0, 0], 0.0, 0.040)  # cold: ignored
+    ctrl.observe(2, 1, [1, 0], 0.001, 0.036)  # cold, first K = 1 costs: kept
+    assert ctrl.verify.means[(2, 1)] == 0.030 and ctrl.verify.means[(2, 2)] == 0.036
+    assert ctrl.draft.means[(2, 1)] == 0.001
+    ctrl.observe(2, 0, [0, 0], 0.0, 0.020)  # the 4th step: warm, learnt
+    assert ctrl.verify.means[(2, 1)] == pytest.approx(0.9 * 0.030 + 0.1 * 0.020)
+    ctrl.begin_request()
+    ctrl.observe(2, 1, [1, 1], 0.005, 0.050)  # a new request's first step: cold again
+    assert ctrl.verify.means[(2, 2)] == 0.036 and ctrl.draft.means[(2, 1)] == 0.001
+    unmarked = DraftLengthController(4, warmup=(), probe_every=0)
+    unmarked.observe(2, 0, [0, 0], 0.0, 0.030)
+    unmarked.observe(2, 0, [0, 0], 0.0, 0.040)
+    assert unmarked.verify.means[(2, 1)] == pytest.approx(0.9 * 0.030 + 0.1 * 0.040)
