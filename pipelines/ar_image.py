@@ -15,7 +15,10 @@ through the same target code (`NullDrafter`), which is the baseline every speed-
 measured against. `acceptance` takes any rule name or object; named rules that need tables
 get them from the pipeline (LANTERN: the VQ codebook, and by default `k` = the same
 fraction of the codebook as LANTERN's k=1000 of LlamaGen's 16384 codes, see `lantern_k`; GSD:
-the GPT's token embeddings). Sources: LlamaGen (Sun et al. 2024, github.com/FoundationVision/
+the GPT's token embeddings). `pipe.prepack` ("auto", False, True) sets the linear kernels of
+target and GPT drafter (mmspec/models/prepack.py: "auto" measures stock against oneDNN-prepacked
+weights per row count on this machine, once per model; False keeps stock kernels, and so the same
+float rounding across processes). Sources: LlamaGen (Sun et al. 2024, github.com/FoundationVision/
 LlamaGen, `autoregressive/sample/sample_c2i.py`) for the sampling setup; diffusers'
 `DiffusionPipeline` conventions for the interface (`callback_on_step_end`, `output_type`,
 `return_dict`, progress bar).
