@@ -286,15 +286,14 @@ class DraftLengthController:
         return self._finish_seconds(batch, k, remaining, self.acceptance())
 
     def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float],
-                        moments: tuple[float, float] | None = None, sorted_remaining: bool = False,
-                        total: int | None = None, slope: float | None = None) -> float | None:
-        """`finish_seconds` with what a caller ranking every K computes once: `moments` of K,
-        `remaining` already sorted, its `total`, the `slope` of E[G] in the rates (`_mean_slopes`)."""
+                        moments: tuple[float, float] | None = None, slope: float | None = None) -> float | None:
+        """`finish_seconds` with what a caller ranking every K computes once for all K: the
+        `moments` of K and the `slope` of E[G] in the rates (`_mean_slopes`)."""
         s = self.seconds(batch, k)
         if s is None or s <= 0:
             return None
         mean, var = self.token_moments(k, rates) if moments is None else moments
-        ordered = remaining if sorted_remaining else sorted(remaining)
+        ordered = sorted(remaining)
         r = ordered[-1]
         # Rows also differ in acceptance (prompt by prompt): a row whose tokens per step sit
         # sigma_m below the mean needs r sigma_m / mean^2 more steps, on top of the step-to-step
@@ -314,7 +313,7 @@ class DraftLengthController:
         if batch == 1:
             return s * steps
         beta = self.per_row_seconds(batch, k, s)
-        return (s - batch * beta) * steps + beta * (total if total is not None else sum(remaining)) / mean
+        return (s - batch * beta) * steps + beta * sum(remaining) / mean
 
     # ---- the decision ---------------------------------------------------------------------------
     def choose(self, batch: int, remaining: list[int] | None = None) -> int:
@@ -373,8 +372,7 @@ class DraftLengthController:
             acc = self.acceptance()  # once per step, not once per K
             moments = self._all_moments(acc)  # one pass for every K (token_moments is O(K) each)
             slopes = self._mean_slopes(acc, self.k_max)
-            ordered, total = sorted(remaining), sum(remaining)
-            times = {k: self._finish_seconds(batch, k, ordered, acc, moments[k], True, total, slopes[k])
+            times = {k: self._finish_seconds(batch, k, remaining, acc, moments[k], slopes[k])
                      for k in range(self.k_max + 1)}
             return {k: None if t is None else 1.0 / t for k, t in times.items()}
         return {k: self.rate(batch, k) for k in range(self.k_max + 1)}

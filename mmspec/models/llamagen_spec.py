@@ -56,7 +56,7 @@ class LlamaGenSpec(ForwardSpec):
         if not all(hasattr(gpt, name) for name in ("class_embed", "embed", "freqs_at", "backbone", "head", "args")):
             raise TypeError(f"LlamaGenSpec needs a mmspec LlamaGenGPT, got {type(gpt).__name__}")
         self.model = gpt  # the user's model; `gpt` is what runs (the model or its packed view)
-        self.gpt = maybe_packed(gpt, prepack) if not gpt.training else gpt
+        self.gpt = maybe_packed(gpt, prepack)
         self.kernels = kernels_of(self.gpt, gpt)
         self._fresh = True  # the view was just checked against the model: the first request skips `refresh`
         self.args = gpt.args
