@@ -6,6 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = ("text", "eagle", "vispec")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_at(config: "TrainDrafterConfig", step: int) -> float:
+    """Learning rate of 0-based optimiser step `step`: a linear warm-up over `warmup_steps`, then
+    `lr` held ("constant") or decayed along a half cosine to 0 at `steps` ("cosine")."""
+    import math
+
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / (config.warmup_steps + 1)
+    if config.lr_schedule == "constant":
+        return config.lr
+    done = (step - config.warmup_steps) / max(config.steps - config.warmup_steps, 1)
+    return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
 
 
 @dataclass(frozen=True)
@@ -20,6 +34,8 @@ class TrainDrafterConfig:
     batch_size: int = 8
     grad_accum: int = 1
     lr: float = 3e-4
+    lr_schedule: str = "constant"  # or "cosine": decays to 0 at `steps`
+    warmup_steps: int = 0  # linear warm-up from 0 before the schedule
     ttt_steps: int = 1  # extra unrolled forwards on the head's own features (feature drafters)
     feature_weight: float = 1.0
     ce_weight: float = 0.1
@@ -40,6 +56,10 @@ class TrainDrafterConfig:
         for name in ("num_images", "answer_tokens", "steps", "batch_size", "grad_accum", "save_every", "text_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         if self.ttt_steps < 0:
             raise ValueError(f"ttt_steps must be >= 0, got {self.ttt_steps}")
         if self.bf16 and not self.device.startswith("cuda"):

@@ -17,7 +17,8 @@
 4. Training-time test (HASS, EAGLE-3): `--ttt-steps` extra unrolled forwards in which the head
    reads its *own* predicted features instead of the target's, so that it learns to draft
    from its own outputs (what it does at inference) instead of the shortcut h_t -> h_{t+1}.
-5. AdamW, gradient accumulation, bf16 autocast on CUDA; `checkpoint.pt` every `--save-every`
+5. AdamW (learning rate constant, or `--lr-schedule cosine`: a half cosine to 0 at the last step,
+   after `--warmup-steps` of linear warm-up), gradient accumulation, bf16 autocast on CUDA; `checkpoint.pt` every `--save-every`
    steps (model, optimiser, RNG) and automatic resume; tqdm progress; losses logged to
    `train_log.jsonl`; the result is a `DrafterComponent` folder loadable with
    `pipe.load_drafter(DIR)`.
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .train_config import KINDS, TrainDrafterConfig
+from .train_config import KINDS, TrainDrafterConfig, lr_at
 
 
 # ---- data ---------------------------------------------------------------------------------------------
@@ -270,6 +271,14 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
         if ckpt["config"]["drafter"] != config.drafter:
             raise ValueError(f"{ckpt_path} holds a {ckpt['config']['drafter']!r} drafter, not {config.drafter!r}; "
                              "use another --out")
+        saved = ckpt["config"]
+        # a cosine run is defined by its whole schedule; a constant one may go on longer or slower
+        schedule = ("lr_schedule",) + (("lr", "warmup_steps", "steps") if config.lr_schedule == "cosine" else ())
+        changed = {k: saved.get(k, TrainDrafterConfig.__dataclass_fields__[k].default) for k in schedule
+                   if saved.get(k, TrainDrafterConfig.__dataclass_fields__[k].default) != getattr(config, k)}
+        if changed:  # a resumed run must follow the schedule of the run it continues
+            raise ValueError(f"{ckpt_path} was trained with {changed} (this run: "
+                             f"{ {k: getattr(config, k) for k in changed} }); resume with those settings or use another --out")
         drafter.load_state_dict(ckpt["model"])
         optim.load_state_dict(ckpt["optim"])
         start = ckpt["step"]
@@ -281,6 +290,8 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
                initial=start, total=config.steps)
     for step in bar:
         optim.zero_grad(set_to_none=True)
+        for group in optim.param_groups:
+            group["lr"] = lr_at(config, step)
         parts_sum = None
         for _ in range(config.grad_accum):
             batch = collate(rng.sample(examples, min(config.batch_size, len(examples))), pad)

@@ -118,3 +118,34 @@ def test_qwen2vl_teacher_and_collate(kind, tmp_path):
         step_loss(pipe, drafter, (ids, mask, inputs), config)[0].backward()
         optim.step()
     assert float(step_loss(pipe, drafter, (ids, mask, inputs), config)[0].detach()) < 0.7 * first
+
+
+
+def test_learning_rate_schedules(setup, tmp_path):
+    import math
+
+    from mmspec.pipelines.train_config import lr_at
+
+    const = TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", lr=1e-3, steps=100, warmup_steps=4)
+    assert [lr_at(const, s) for s in (0, 3)] == [pytest.approx(2e-4), pytest.approx(8e-4)]  # (s + 1) / 5 of lr
+    assert lr_at(const, 4) == lr_at(const, 99) == 1e-3
+    cos = TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", lr=1e-3, steps=104, warmup_steps=4,
+                             lr_schedule="cosine")
+    assert lr_at(cos, 4) == pytest.approx(1e-3)  # the cosine starts at the peak after the warm-up
+    assert lr_at(cos, 54) == pytest.approx(5e-4)  # half way through the 100 decaying steps: cos(pi/2) = 0
+    assert lr_at(cos, 103) == pytest.approx(1e-3 * (1 - math.cos(math.pi / 100)) / 2)  # 1 step before 0
+    assert all(lr_at(cos, s) > lr_at(cos, s + 1) for s in range(4, 103))
+    with pytest.raises(ValueError, match="--lr-schedule must be one of"):
+        TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", lr_schedule="linear")
+    with pytest.raises(ValueError, match="warmup_steps must be in"):
+        TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", steps=10, warmup_steps=10)
+    # the optimiser runs the schedule (steps 0, 1, 2 at 1/2, 1, 1/2 of lr), and a cosine run resumed
+    # with another length (another schedule) is refused
+    pipe, folder = setup
+    common = dict(pipeline="-", drafter="eagle", data=str(folder), answer_tokens=6, batch_size=2, lr=1e-3,
+                  save_every=1, progress=False, lr_schedule="cosine", warmup_steps=1)
+    train_drafter(TrainDrafterConfig(out=str(tmp_path / "c"), steps=3, **common), pipe=pipe)
+    ckpt = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)
+    assert ckpt["optim"]["param_groups"][0]["lr"] == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match=r"was trained with \{'steps': 3\}"):
+        train_drafter(TrainDrafterConfig(out=str(tmp_path / "c"), steps=5, **common), pipe=pipe)
