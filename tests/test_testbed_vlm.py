@@ -17,7 +17,7 @@ from mmspec.testbed.world import World
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
 TINY = ["--n-train", "32", "--n-val", "4", "--tower-steps", "2", "--tower-layers", "1", "--lm-steps", "3",
-        "--lm-layers", "1", "--lm-batch", "8", "--tune-steps", "2", "--drafter-images", "4", "--drafter-steps", "2", "--drafter-batch", "4",
+        "--lm-layers", "1", "--lm-batch", "8", "--tune-steps", "2", "--drafter-images", "4", "--drafter-steps", "2", "--drafter-warmup", "0", "--drafter-batch", "4",
         "--accept-scenes", "2", "--max-new-tokens", "6", "--answer-tokens", "6", "--no-progress"]
 
 
