@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmspec.adaptive import DraftLengthController
+from mmspec.drafters.chain_stop import ChainStop
 from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.ragged import RaggedKV
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
@@ -373,9 +374,14 @@ class EagleHeadDrafter:
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
         self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
+        self._stop = ChainStop()
         self._deferred = False  # this step drafts nothing (K = 0): the head's catch-up waits
         self._after_plain = False  # the next drafting step catches up on the pairs of plain steps
         self.draft_calls = 0
+
+    def set_stop_tokens(self, token_ids) -> None:
+        """The loop's EOS ids: a chain ends once every row has drafted one (drafters/chain_stop.py)."""
+        self._stop.set(token_ids)
 
     def set_draft_length(self, k: int) -> None:
         """The loop's choice of K for the next step (adaptive drafters only)."""
@@ -444,6 +450,7 @@ class EagleHeadDrafter:
             return self._propose_tree(feats, logits)
         K = self.k
         tokens, probs = [], []
+        ended = self._stop.begin(B, device)
         for i in range(K):
             if sampling.greedy:  # no q is returned for greedy drafts: the argmax is enough
                 d = logits.argmax(-1)
@@ -452,11 +459,13 @@ class EagleHeadDrafter:
                 d = sample_from(q, generator)
                 probs.append(q)
             tokens.append(d)
-            if i < K - 1:
-                vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
-                depth = torch.full((B, 1), i, dtype=torch.long, device=device)
-                feats = self._forward(d.unsqueeze(1), feats.unsqueeze(1), depth, vis, i, chain=True)[:, -1]
-                logits = self.logits(feats)
+            if i == K - 1 or self._stop.every_row_ended(ended, d):
+                break
+            vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
+            depth = torch.full((B, 1), i, dtype=torch.long, device=device)
+            feats = self._forward(d.unsqueeze(1), feats.unsqueeze(1), depth, vis, i, chain=True)[:, -1]
+            logits = self.logits(feats)
+        K = len(tokens)
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
         return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mmspec.adaptive import DraftLengthController
+from mmspec.drafters.chain_stop import ChainStop
 from mmspec.spec import ForwardSpec, SpecRunner
 from mmspec.spec_target import chain_visibility
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
@@ -145,6 +146,8 @@ class ModelDrafter:
             self._catch_up_queries = tree.depth + 1 if tree is not None else 2
         self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
         self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
+        self._drafted = 0  # tokens the last chain drafted (k, or fewer when it ended at EOS)
+        self._stop = ChainStop()
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
         self._prefill_args: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a deferred prompt prefill
@@ -181,29 +184,34 @@ class ModelDrafter:
             # drafter will catch up on the next time it drafts.
             self._defer(roots)
             self._plain_steps += 1
+            self._drafted = 0
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         logits = self._catch_up(roots)  # [B, V] at the root
         if self.tree is not None:
             return self._propose_tree(logits)
         tokens, probs = [], []
+        ended = None if self.static else self._stop.begin(B, device)
         for i in range(K):
             q = process_logits(logits, sampling)
             d = q.argmax(-1) if sampling.greedy else sample_from(q, generator)
             tokens.append(d)
             probs.append(q)
-            if i < K - 1:
+            if i < K - 1 and not self._stop.every_row_ended(ended, d):
                 vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
                 depth = torch.full((B, 1), i, dtype=torch.long, device=device)
                 logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True, queries=1,
                                              sees_region=True).logits[:, -1]
                 self.draft_calls += 1
+            else:
+                break
+        self._drafted = K = len(tokens)
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
         return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)
 
     def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
         n, n_host = info.num_accepted, info.num_accepted_list
         if self.tree is None:
-            K = self.k
+            K = self._drafted
             if K == 0:
                 return  # nothing was drafted; the deferred root stays pending
             # Drafts d_0..d_{K-2} were run through the drafter; the accepted ones stay.
@@ -233,6 +241,10 @@ class ModelDrafter:
         self.pending = self.pending.index_select(0, rows)
         self.pending_count = self.pending_count.index_select(0, rows)
         self.pending_host = [self.pending_host[r] for r in rows_host]
+
+    def set_stop_tokens(self, token_ids) -> None:
+        """The loop's EOS ids: a chain ends once every row has drafted one (drafters/chain_stop.py)."""
+        self._stop.set(token_ids)
 
     def set_draft_length(self, k: int) -> None:
         """The loop's choice of K for the next step (adaptive drafters only)."""

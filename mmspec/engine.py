@@ -340,6 +340,9 @@ class _Loop:
                              "and inputs (the output would be silently wrong)")
         self.roots = self.rule.sample(probs, self.generator)
         t0 = self.timer.mark()
+        set_stop = getattr(self.drafter, "set_stop_tokens", None)
+        if set_stop is not None:  # optional: chain drafters end a chain once every row drafted EOS
+            set_stop(emitter.eos)
         self.drafter.prefill(input_ids, attention_mask, tout, model_inputs, max_new_tokens)
         self.timer.charge("draft", t0, self.timer.mark())
         keep = emitter.first(self.roots)
@@ -392,6 +395,8 @@ class _Loop:
         if self.controller is not None:
             # Host clocks: the step's sync (in emit) has completed the verify work by h2.
             seconds = ((h1 - h0) + (time.perf_counter() - h2), h2 - h1)
+            if draft.is_chain:  # a chain that ended at EOS drafted fewer than k: learn what ran
+                k = min(k, draft.tokens.shape[1])
             if self._row_ids:
                 self.controller.observe(len(n_host), k, n_host, *seconds, rows=rows)
             else:

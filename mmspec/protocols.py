@@ -74,7 +74,10 @@ class Drafter(Protocol):
     Optional capabilities:
     - `features: FeatureRequest` (default: none): what the drafter reads from the target's
       outputs (hidden-state layers, image features, positions).
-    - `draft_calls: int` (default: not reported): drafter forwards so far, for `SpecStats`."""
+    - `draft_calls: int` (default: not reported): drafter forwards so far, for `SpecStats`.
+    - `set_stop_tokens(token_ids: list[int])`: called before each request's `prefill` with the
+      loop's EOS ids (possibly empty); a chain drafter may then end a chain early once every
+      row has drafted one (what follows a row's EOS is never emitted)."""
 
     vocab_size: int
     max_draft_nodes: int  # the most nodes `propose` returns (the target reserves cache room)
