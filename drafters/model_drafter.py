@@ -196,14 +196,13 @@ class ModelDrafter:
             d = q.argmax(-1) if sampling.greedy else sample_from(q, generator)
             tokens.append(d)
             probs.append(q)
-            if i < K - 1 and not self._stop.every_row_ended(ended, d):
-                vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
-                depth = torch.full((B, 1), i, dtype=torch.long, device=device)
-                logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True, queries=1,
-                                             sees_region=True).logits[:, -1]
-                self.draft_calls += 1
-            else:
+            if i == K - 1 or self._stop.every_row_ended(ended, d):
                 break
+            vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
+            depth = torch.full((B, 1), i, dtype=torch.long, device=device)
+            logits = self.runner.forward(d.unsqueeze(1), depth, vis, i, last_only=True, queries=1,
+                                         sees_region=True).logits[:, -1]
+            self.draft_calls += 1
         self._drafted = K = len(tokens)
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
         return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, device), draft_probs=draft_probs)

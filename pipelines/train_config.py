@@ -3,6 +3,7 @@ can build its parser from the fields without loading torch)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 KINDS = ("text", "eagle", "vispec")
@@ -12,8 +13,6 @@ LR_SCHEDULES = ("constant", "cosine")
 def lr_at(config: "TrainDrafterConfig", step: int) -> float:
     """Learning rate of 0-based optimiser step `step`: a linear warm-up over `warmup_steps`, then
     `lr` held ("constant") or decayed along a half cosine to 0 at `steps` ("cosine")."""
-    import math
-
     if step < config.warmup_steps:
         return config.lr * (step + 1) / (config.warmup_steps + 1)
     if config.lr_schedule == "constant":

@@ -17,9 +17,9 @@
 4. Training-time test (HASS, EAGLE-3): `--ttt-steps` extra unrolled forwards in which the head
    reads its *own* predicted features instead of the target's, so that it learns to draft
    from its own outputs (what it does at inference) instead of the shortcut h_t -> h_{t+1}.
-5. AdamW (learning rate constant, or `--lr-schedule cosine`: a half cosine to 0 at the last step,
-   after `--warmup-steps` of linear warm-up), gradient accumulation, bf16 autocast on CUDA; `checkpoint.pt` every `--save-every`
-   steps (model, optimiser, RNG) and automatic resume; tqdm progress; losses logged to
+5. AdamW (learning rate constant, or `--lr-schedule cosine`: a half cosine to 0 at the last
+   step, after `--warmup-steps` of linear warm-up), gradient accumulation, bf16 autocast on
+   CUDA; `checkpoint.pt` every `--save-every` steps (model, optimiser, RNG) and automatic resume; tqdm progress; losses logged to
    `train_log.jsonl`; the result is a `DrafterComponent` folder loadable with
    `pipe.load_drafter(DIR)`.
 """
@@ -271,11 +271,11 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
         if ckpt["config"]["drafter"] != config.drafter:
             raise ValueError(f"{ckpt_path} holds a {ckpt['config']['drafter']!r} drafter, not {config.drafter!r}; "
                              "use another --out")
-        saved = ckpt["config"]
         # a cosine run is defined by its whole schedule; a constant one may go on longer or slower
+        # (checkpoints written before the schedule existed ran the constant default)
+        saved = {**asdict(TrainDrafterConfig(pipeline="-", drafter=config.drafter, out="-")), **ckpt["config"]}
         schedule = ("lr_schedule",) + (("lr", "warmup_steps", "steps") if config.lr_schedule == "cosine" else ())
-        changed = {k: saved.get(k, TrainDrafterConfig.__dataclass_fields__[k].default) for k in schedule
-                   if saved.get(k, TrainDrafterConfig.__dataclass_fields__[k].default) != getattr(config, k)}
+        changed = {k: saved[k] for k in schedule if saved[k] != getattr(config, k)}
         if changed:  # a resumed run must follow the schedule of the run it continues
             raise ValueError(f"{ckpt_path} was trained with {changed} (this run: "
                              f"{ {k: getattr(config, k) for k in changed} }); resume with those settings or use another --out")
