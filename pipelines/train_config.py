@@ -21,6 +21,36 @@ def lr_at(config: "TrainDrafterConfig", step: int) -> float:
     return config.lr * 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
 
 
+# `mmspec train-drafter --help`: one line per option (every field but `progress`, which is
+# `--no-progress`); a test checks that each field has one.
+HELP = {
+    "pipeline": "saved SpeculativeVLMPipeline folder whose target is distilled (e.g. assets/testbed/vlm)",
+    "drafter": f"drafter kind: one of {', '.join(KINDS)}",
+    "out": "folder for the trained drafter (config + safetensors), its checkpoint and train_log.jsonl",
+    "data": "folder of images (+ optional scenes.jsonl) to regenerate answers on; default: testbed scenes",
+    "num_images": "images whose answers the target regenerates as training data (default %(default)s)",
+    "answer_tokens": "max new tokens of each regenerated answer (default %(default)s)",
+    "steps": "optimiser steps (default %(default)s); a run in --out resumes from its checkpoint",
+    "batch_size": "examples per step (default %(default)s)",
+    "grad_accum": "gradient-accumulation micro-batches per step (default %(default)s)",
+    "lr": "peak learning rate of AdamW (default %(default)s)",
+    "lr_schedule": "constant, or cosine (a half cosine to 0 at the last step) (default %(default)s)",
+    "warmup_steps": "linear warm-up steps before the schedule (default %(default)s)",
+    "ttt_steps": "extra unrolled forwards on the head's own features, training-time test (default %(default)s)",
+    "feature_weight": "weight of the SmoothL1 loss on the target's features (default %(default)s)",
+    "ce_weight": "weight of the cross-entropy against the target's tokens (default %(default)s)",
+    "text_layers": "decoder layers of the text drafter's small LM (default %(default)s)",
+    "num_draft_tokens": "chain length K saved with the drafter (default %(default)s)",
+    "tree_depth": "> 0: save the drafter with a dynamic tree of this depth (default %(default)s: chains)",
+    "tree_top_k": "tree: children kept per node (default %(default)s)",
+    "tree_num_nodes": "tree: nodes verified per step (default %(default)s)",
+    "device": "cpu or cuda[:N] (default %(default)s)",
+    "bf16": "train in bfloat16 autocast (CUDA only)",
+    "save_every": "steps between checkpoints (default %(default)s)",
+    "seed": "seed of data order, initialisation and regenerated scenes (default %(default)s)",
+}
+
+
 @dataclass(frozen=True)
 class TrainDrafterConfig:
     pipeline: str

@@ -93,7 +93,7 @@ def cmd_vqa(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from .train_config import TrainDrafterConfig
+    from .train_config import HELP, TrainDrafterConfig
     from .train_drafter import train_drafter
 
     names = {f.name for f in dataclasses.fields(TrainDrafterConfig)}
@@ -134,20 +134,20 @@ def add_subparsers(sub) -> None:
     _common(p)
     p.set_defaults(func=cmd_vqa)
     p = sub.add_parser("train-drafter", help="distil a text / EAGLE / ViSpec drafter from a pipeline's target")
-    from .train_config import TrainDrafterConfig
+    from .train_config import HELP, TrainDrafterConfig
 
     for f in dataclasses.fields(TrainDrafterConfig):
         if f.name == "progress":
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true")
+            p.add_argument(flag, action="store_true", help=HELP[f.name])
         elif f.default is dataclasses.MISSING:
-            p.add_argument(flag, required=True)
+            p.add_argument(flag, required=True, help=HELP[f.name])
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default)
-    p.add_argument("--no-progress", action="store_true")
+            p.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_drafter)
 
 

@@ -65,3 +65,20 @@ def test_train_drafter_command(saved, tmp_path, capsys):
     assert code == 0 and json.loads(capsys.readouterr().out)["identical_to_plain"] is True
     with pytest.raises(SystemExit, match="--drafter must be one of"):
         main(["train-drafter", "--pipeline", "x", "--drafter", "medusa", "--out", str(tmp_path / "m")])
+
+
+def test_train_drafter_help_describes_every_option(capsys):
+    """`mmspec train-drafter --help` gives a line for every option of TrainDrafterConfig."""
+    import dataclasses
+
+    from mmspec.pipelines.train_config import HELP, TrainDrafterConfig
+
+    names = {f.name for f in dataclasses.fields(TrainDrafterConfig)} - {"progress"}
+    assert set(HELP) == names
+    with pytest.raises(SystemExit):
+        main(["train-drafter", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in names:
+        assert "--" + name.replace("_", "-") in text
+    assert "(a half cosine to 0 at the last step) (default constant)" in text
+    assert "examples per step (default 8)" in text
