@@ -553,7 +553,7 @@ class EagleHeadDrafter:
         tokens = self.pending_tokens.clone()
         tokens[rows, self.pending_count - 1] = roots
         vis, depth = chain_visibility(B, P, roots.device)
-        out = self._forward(tokens, self.pending_hidden, depth, vis, 0)
+        out = self._forward(tokens, self.pending_hidden, depth, vis, 0, chain=True)
         self.kv.advance(self.pending_count, self.pending_host)
         return out[rows, self.pending_count - 1]
 

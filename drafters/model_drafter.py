@@ -283,7 +283,8 @@ class ModelDrafter:
         # root is the last query of every row, and the LM head runs on it alone (after a long
         # plain stretch the head over every pending token costs about a target forward).
         aligned = all(c == P for c in self.pending_host)
-        out = self.runner.forward(tokens, depth, vis, 0, last_only=aligned, queries=self._catch_up_queries)
+        out = self.runner.forward(tokens, depth, vis, 0, last_only=aligned, queries=self._catch_up_queries,
+                                  sees_region=True)
         self.draft_calls += 1
         self.runner.advance(self.pending_count + 1, [c + 1 for c in self.pending_host])
         return out.logits[:, -1] if aligned else out.logits[rows, self.pending_count]

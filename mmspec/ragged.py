@@ -137,8 +137,13 @@ class RaggedKV:
         tree_visible: torch.Tensor,  # [B, Q, T+Q] bool over the uncommitted region
         uncommitted: int,  # T: tokens already in the uncommitted region (host int)
         *,
-        sees_region: bool = False,  # host fact from the caller: every new token sees the whole region
+        sees_region: bool = False,  # host fact from the caller: the new tokens extend the region as a chain
     ) -> Attention:
+        """`sees_region`: the caller's host-side fact that the new tokens form a chain after the
+        whole uncommitted region (token j sees every region slot and new tokens 0..j), as in a
+        chain verify, a chain drafter's next token or an EAGLE catch-up. Over rows of equal
+        length without prompt padding the visibility is then a fixed triangle and every row
+        writes the same slots, so the plan is a few operations instead of a gather."""
         B, Q = depth.shape
         device = depth.device
         T = uncommitted
@@ -147,18 +152,19 @@ class RaggedKV:
         self.ensure_capacity(kv_len)
         equal = bool(self.length_host) and min(self.length_host) == max_len
         self.write_slice = (max_len + T, max_len + T + Q) if equal else None
-        if self.unpadded and Q == 1 and equal and (T == 0 or sees_region):
-            # One new token per row over equal-length unpadded rows that sees the whole
-            # uncommitted region (a plain decoding step, or a chain drafter's next token):
-            # everything is visible.
-            # Every row writes slot `write_slice[0]` (equal lengths): a slice, no scatter.
+        if self.unpadded and equal and (sees_region or (Q == 1 and T == 0)):
+            # Every row writes slots `write_slice` (equal lengths): a slice, no scatter. One
+            # new token sees everything (a plain decoding step, a chain drafter's next token);
+            # a chain of Q sees the committed prefix and the region plus its own causal triangle.
             self.write_rows = self.write_slots = None
             q_pos = self.next_pos.unsqueeze(1) + depth
-            self.slot_pos[:, kv_len - 1: kv_len] = q_pos
+            self.slot_pos[:, kv_len - Q: kv_len] = q_pos
             self.kv_len, self.past_len = kv_len, kv_len - Q
-            visible = torch.ones(B, Q, kv_len, dtype=torch.bool, device=device)
+            full = Q == 1
+            tri = torch.ones(Q, kv_len, dtype=torch.bool, device=device)
+            visible = (tri if full else tri.tril(kv_len - Q)).expand(B, Q, kv_len)
             return Attention(visible=visible, key_padding=None, q_pos=q_pos, slot_pos=self.slot_pos[:, :kv_len],
-                             full=True)
+                             full=full)
         slots = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, S]
         rel = slots - self.length.unsqueeze(1)  # [B, S] offset into the uncommitted region
         committed = (rel < 0) & self.prefix_valid[:, :kv_len]

@@ -84,7 +84,8 @@ class SpecTarget:
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> TargetOutput:
         B, Q = tokens.shape
         vis, depth = tree_visibility(parents, B, Q, tokens.device)
-        return as_target_output(self.runner.forward(tokens, depth, vis, 0, queries=self.queries))
+        return as_target_output(self.runner.forward(tokens, depth, vis, 0, queries=self.queries,
+                                                    sees_region=parents is None))
 
     def commit(self, info: CommitInfo) -> None:
         counts = info.num_accepted + 1  # root + accepted nodes

@@ -118,3 +118,42 @@ def test_ragged_select_rows_compacts_in_place_like_a_gather():
             kv.ensure_capacity(kv.capacity + 1)  # growth copies the narrowed buffers
             assert torch.equal(kv.keys[1][:, :, :3], keys[1].index_select(0, rows)[:, :, :3])
             assert kv.keys[1].shape[0] == len(keep)
+
+
+def test_chain_plan_over_equal_rows_equals_the_general_plan():
+    """A chain of Q new tokens after T region tokens, planned with the caller's chain fact
+    (`sees_region=True`: the fixed-triangle path over equal, unpadded rows) and without it
+    (the gather over the tree visibility): the same visibility, positions, slot positions and
+    key length; the chain path writes a slice. With prompt padding, or rows of different
+    lengths, the chain fact changes nothing (the general path runs)."""
+    from mmspec.ragged import RaggedKV
+    from mmspec.spec_target import chain_visibility
+
+    def store(mask, committed):
+        kv = RaggedKV(1, mask, 64)
+        kv.plan_prefill(mask)
+        kv.scrub_padding()
+        kv.advance(torch.tensor(committed), committed)
+        return kv
+
+    ones = torch.ones(3, 4, dtype=torch.long)
+    padded = ones.clone()
+    padded[1, 0] = 0
+    cases = [(ones, [2, 2, 2], True), (padded, [2, 2, 2], False), (ones, [2, 1, 2], False)]
+    for mask, committed, fast in cases:
+        for T, Q in ((0, 1), (0, 6), (2, 1), (2, 4)):
+            B = mask.shape[0]
+            vis, _ = chain_visibility(B, T + Q, "cpu")
+            region_vis = vis[:, T:]  # the new tokens' rows of the chain over region + new tokens
+            depth = (T + torch.arange(Q)).expand(B, Q)
+            plans = []
+            for chain in (True, False):
+                kv = store(mask, committed)
+                att = kv.plan(depth, region_vis, T, sees_region=chain)
+                plans.append((att, kv))
+            (a, ka), (b, kb) = plans
+            assert torch.equal(a.dense(), b.dense()), (committed, T, Q)
+            assert torch.equal(a.q_pos, b.q_pos) and torch.equal(a.slot_pos, b.slot_pos)
+            assert ka.kv_len == kb.kv_len and ka.past_len == kb.past_len
+            assert (ka.write_rows is None) == fast
+            assert a.full == (fast and Q == 1)
