@@ -139,11 +139,19 @@ def _resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig, targe
 
 
 def _plain_k0(rule) -> bool:
+    """Whether a K = 0 step may skip the chain machinery: the rule's K = 0 verdict must be
+    `rule.sample(p)` of the target's processed distribution. True for the shared chain
+    verification, and for greedy verification (its K = 0 next token is the argmax, which is
+    what `GreedyAcceptance.sample` returns) unless a subclass changes either method."""
     from mmspec.acceptance.base import ChainRule  # core -> rules only at call time (layering)
+    from mmspec.acceptance.greedy import GreedyAcceptance
 
     cls = type(rule)
-    return (isinstance(rule, ChainRule) and cls.verify is ChainRule.verify
-            and cls.verify_unchecked is ChainRule.verify_unchecked)
+    if not isinstance(rule, ChainRule) or cls.verify is not ChainRule.verify:
+        return False
+    if cls.verify_unchecked is ChainRule.verify_unchecked:
+        return True
+    return cls.verify_unchecked is GreedyAcceptance.verify_unchecked and cls.sample is GreedyAcceptance.sample
 
 
 class _Emitter:

@@ -240,6 +240,51 @@ def test_plain_step_shortcut_matches_the_rule_path(target):
     assert torch.equal(greedy.sequences, ref)
 
 
+def test_greedy_plain_steps_take_the_shortcut_with_the_rule_path_tokens(target, monkeypatch):
+    """Greedy verification's K = 0 verdict is the target's argmax (`GreedyAcceptance.sample`),
+    so greedy plain steps skip the chain machinery too; a subclass that overrides
+    `verify_unchecked` or `sample` takes the general path. Same tokens and counts either way,
+    EOS and prompts of different lengths included, equal to `generate`."""
+    import mmspec.engine as engine
+    from mmspec.acceptance import GreedyAcceptance
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    class SlowVerify(GreedyAcceptance):
+        def verify_unchecked(self, *args, **kwargs):
+            return super().verify_unchecked(*args, **kwargs)
+
+    class OwnSample(GreedyAcceptance):
+        def sample(self, p, generator):
+            return super().sample(p, generator)
+
+    assert engine._plain_k0(GreedyAcceptance())
+    assert not engine._plain_k0(SlowVerify()) and not engine._plain_k0(OwnSample())
+    calls = {"root": 0, "chain": 0}
+    for name in ("root", "chain"):
+        original = getattr(engine._Emitter, "emit_root" if name == "root" else "emit")
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            calls[_name] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(engine._Emitter, "emit_root" if name == "root" else "emit", counted)
+    ids, mask = left_padded([9, 5, 7, 3])
+    outs = {}
+    for rule in (GreedyAcceptance(), SlowVerify(), "greedy", "exact"):
+        calls.update(root=0, chain=0)
+        out = mmspec.speculative_generate(target, NullDrafter(target.config.vocab_size), ids, mask, acceptance=rule,
+                                          temperature=0, max_new_tokens=30, eos_token_id=2, pad_token_id=0)
+        shortcut = not isinstance(rule, SlowVerify)
+        assert (calls["root"] > 0, calls["chain"] > 0) == (shortcut, not shortcut), (rule, calls)
+        outs[str(rule)] = out
+    first = next(iter(outs.values()))
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=30, pad_token_id=0,
+                          eos_token_id=2)
+    assert torch.equal(first.sequences, ref)
+    for out in outs.values():
+        assert torch.equal(out.sequences, first.sequences) and out.stats.new_tokens == first.stats.new_tokens
+
+
 def test_unpadded_equal_length_plain_steps_run_mask_free_and_exact(target, good_drafter, monkeypatch):
     """Rows of equal length without prompt padding take the mask-free K = 0 attention path
     (`Attention.full`); greedy output still equals `generate`, alone and mixed with drafts."""
