@@ -154,6 +154,17 @@ def _plain_k0(rule) -> bool:
     return cls.verify_unchecked is GreedyAcceptance.verify_unchecked and cls.sample is GreedyAcceptance.sample
 
 
+def _finite(logits: torch.Tensor, probs: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Whether the target's distributions are usable (a 0-dim bool tensor; no sync). Sampled:
+    the processed probabilities are finite. Greedy: the processed distribution is a one-hot,
+    finite even for NaN logits, so the logits are checked instead: each row's largest logit
+    must be finite (a NaN or +inf logit, or a row of -inf only, would make the argmax
+    meaningless; -inf entries beside a finite maximum are masked tokens and fine)."""
+    if sampling.greedy:
+        return torch.isfinite(logits.amax(-1)).all()
+    return torch.isfinite(probs).all()
+
+
 class _Emitter:
     """Output buffer and per-row progress: which tokens a step emits, EOS and length limits,
     which rows are still active."""
@@ -343,7 +354,7 @@ class _Loop:
         )
         self.stats.prefill_calls = 1
         probs = process_logits(tout.logits[:, -1], self.sampling)
-        if not bool(torch.isfinite(probs).all()):  # SYNC: once, after prefill
+        if not bool(_finite(tout.logits[:, -1], probs, self.sampling)):  # SYNC: once, after prefill
             raise ValueError("non-finite probabilities (NaN or inf) from the target's prefill; check the model's dtype "
                              "and inputs (the output would be silently wrong)")
         self.roots = self.rule.sample(probs, self.generator)
@@ -378,14 +389,15 @@ class _Loop:
             # K = 0 answer (sample the target) without the chain machinery around it.
             probs = process_logits(tout.logits[:, -1], self.sampling)  # [Ba, V]
             next_tokens = self.rule.sample(probs, self.generator)
-            info, n_host, count_host, keep = emitter.emit_root(next_tokens, torch.isfinite(probs).all())
+            info, n_host, count_host, keep = emitter.emit_root(next_tokens, _finite(tout.logits[:, -1], probs,
+                                                                                     self.sampling))
             verdict = None
         else:
             probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
             # Checked within the step's one sync; a deterministic draft (no q) is always finite.
             drafted_ok = (torch.isfinite(draft.draft_probs).all() if draft.draft_probs is not None
                           else probs.new_ones((), dtype=torch.bool))
-            finite = torch.stack([torch.isfinite(probs).all(), drafted_ok])
+            finite = torch.stack([_finite(tout.logits, probs, self.sampling), drafted_ok])
             verdict = verify_draft(self.rule, draft, probs, generator=self.generator)
             info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite)
         info.is_chain = draft.is_chain

@@ -170,6 +170,54 @@ def test_nan_distributions_raise(target, weak_drafter):
         mmspec.speculative_generate(broken, ModelDrafter(weak_drafter, 2), ids, mask, max_new_tokens=6)
 
 
+def test_nan_target_raises_in_greedy_decoding_too(target, weak_drafter):
+    """Greedy decoding takes the argmax, whose one-hot is finite even for NaN logits: the
+    loop checks the logits then. A NaN target is refused at prefill and, when its logits turn
+    NaN only later (a NaN in a later position's path), in the step, speculative or plain; a
+    logit of -inf beside finite ones (a masked token) is not an error."""
+    import copy
+
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    ids, mask = left_padded([4, 3])
+    broken = copy.deepcopy(target)
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="prefill"):
+        mmspec.speculative_generate(broken, ModelDrafter(weak_drafter, 2), ids, mask, temperature=0, max_new_tokens=6)
+
+    def hooked(edit):
+        """A copy of the target whose LM head output is edited by `edit(logits, call)`."""
+        model = copy.deepcopy(target)
+        calls = [0]
+
+        def hook(module, args, output):
+            calls[0] += 1
+            return edit(output.clone(), calls[0])
+
+        model.lm_head.register_forward_hook(hook)
+        return model, calls
+
+    def nan_after_prefill(logits, call):
+        if call > 1:
+            logits[..., 3] = float("nan")
+        return logits
+
+    def mask_token_5(logits, call):
+        logits[..., 5] = float("-inf")
+        return logits
+
+    for drafter in (ModelDrafter(weak_drafter, 2), NullDrafter(target.config.vocab_size)):
+        model, calls = hooked(nan_after_prefill)
+        with pytest.raises(ValueError, match="non-finite.*target"):
+            mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=6)
+        assert calls[0] == 2  # refused at the first step after the prefill
+    model, _ = hooked(mask_token_5)
+    out = mmspec.speculative_generate(model, ModelDrafter(weak_drafter, 2), ids, mask, temperature=0,
+                                      max_new_tokens=6)
+    assert out.stats.new_tokens == [6, 6] and not bool((out.sequences[:, -6:] == 5).any())
+
+
 def test_named_rules_get_their_tables(target, weak_drafter):
     ids, mask = left_padded([4, 3])
     g = torch.Generator().manual_seed(0)
