@@ -113,8 +113,9 @@ def _cfg_scales(lens: list[int], seq_len: int, guidance_scale: float, cfg_schedu
 class _Predictor:
     """One model's forward + diffusion-head trajectories for flat (sequence, position) tokens."""
 
-    def __init__(self, model, class_labels, guidance_scale, cfg_scale_of_step, noise, temperature, final_noise):
-        self.model, self.labels, self.guided = model, class_labels, guidance_scale != 1.0
+    def __init__(self, model, class_labels, guidance_scale, cfg_scale_of_step, noise, temperature, final_noise,
+                 name: str = "target"):
+        self.model, self.labels, self.guided, self.name = model, class_labels, guidance_scale != 1.0, name
         self.cfg_of_step, self.noise, self.temperature, self.final_noise = cfg_scale_of_step, noise, temperature, final_noise
 
     def __call__(self, tokens, known, seq_rows, seq, pos, step_of_token):
@@ -133,9 +134,15 @@ class _Predictor:
             z_c, zu, cfg = m.forward_z(tokens, known, emb), None, None
         rows = seq_rows[seq]
         n = self.noise
-        return m.diffloss.trajectory(z_c[seq, pos], n.init[rows, pos], n.steps[rows, pos],
-                                     n.final[rows, pos] if self.final_noise else None,
-                                     z_uncond=zu, cfg=cfg, temperature=self.temperature)
+        out = m.diffloss.trajectory(z_c[seq, pos], n.init[rows, pos], n.steps[rows, pos],
+                                    n.final[rows, pos] if self.final_noise else None,
+                                    z_uncond=zu, cfg=cfg, temperature=self.temperature)
+        # SYNC: one flag per model call (the loop syncs every step anyway): a NaN or inf token
+        # would otherwise be decoded into a silently broken image.
+        if not bool(torch.isfinite(out.sample).all() & torch.isfinite(out.std).all()):
+            raise ValueError(f"the MAR {self.name} produced non-finite tokens (NaN or inf); check its weights and dtype "
+                             "(the images would be silently wrong)")
+        return out
 
 
 @torch.no_grad()
@@ -200,7 +207,8 @@ def sample_mar(
         rank_step[masked[s + 1]: masked[s]] = s
     pos_step = rank_step.to(dev)[rank]  # [B, L]: generation step of every position
     tgt = _Predictor(target, labels, guidance_scale, cfg_of_step, noise, float(temperature), final_step_noise)
-    drf = None if drafter is None else _Predictor(drafter, labels, guidance_scale, cfg_of_step, noise, float(temperature), True)
+    drf = None if drafter is None else _Predictor(drafter, labels, guidance_scale, cfg_of_step, noise, float(temperature), True,
+                                                  name="drafter")
 
     stats = MARStats(images=B)
     tokens = torch.zeros(B, L, D, dtype=dtype, device=dev)

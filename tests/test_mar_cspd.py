@@ -95,8 +95,8 @@ def _ks_run(drafter_final_noise: bool, n=1500, drafter_steps=4):
     plain, _ = sample_mar(target, labels, num_iter=3, guidance_scale=1.5, noise=_shared_noise(n, L, D, S, 0, 1))
     orig = cspd._Predictor.__init__
 
-    def planted(self, model, *a):  # the bug: the drafter's last step adds no noise
-        orig(self, model, *a)
+    def planted(self, model, *a, **k):  # the bug: the drafter's last step adds no noise
+        orig(self, model, *a, **k)
         if model is drafter and not drafter_final_noise:
             self.final_noise = False
 
@@ -252,6 +252,27 @@ def test_bad_models_are_refused():
         sample_mar(torch.nn.Linear(2, 2), ok, num_iter=4)
     with pytest.raises(TypeError, match="drafter must be"):
         SpeculativeMARPipeline(transformer=m, vae=tiny_vae(), drafter=torch.nn.Linear(2, 2))([0], num_iter=2)
+
+
+def test_non_finite_models_are_refused_not_decoded():
+    """A model whose head turns out NaN (broken weights, an overflowing dtype) is refused with
+    a ValueError naming it, in plain and in speculative sampling, instead of returning NaN
+    tokens that decode into a silently broken image."""
+    ok = torch.tensor([0, 1])
+
+    def broken(seed=0):
+        m = tiny_mar(seed=seed)
+        with torch.no_grad():
+            next(p for n, p in m.named_parameters() if n.startswith("diffloss")).fill_(float("nan"))
+        return m
+
+    with pytest.raises(ValueError, match="MAR target produced non-finite tokens"):
+        sample_mar(broken(), ok, num_iter=4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="MAR target produced non-finite tokens"):
+        sample_mar(broken(), ok, num_iter=4, drafter=tiny_mar(seed=5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="MAR drafter produced non-finite tokens"):
+        sample_mar(tiny_mar(), ok, num_iter=4, drafter=broken(seed=5), prefill_fraction=0.0,
+                   generator=torch.Generator().manual_seed(0))
 
 
 def test_saved_folder_with_another_architecture_is_refused(tmp_path):
