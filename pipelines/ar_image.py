@@ -381,6 +381,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if bool(complete.any()):
             codes = tokens[complete].view(-1, g, g).to(self.vq.device)
             pixels[complete] = self.vq.decode(codes).float().cpu()
+            if not bool(torch.isfinite(pixels).all()):  # clamp keeps NaN: it would become a broken image
+                raise ValueError("the VQ decoder produced non-finite pixels (NaN or inf); check its weights and dtype "
+                                 "(output_type='latent' returns the tokens without decoding)")
         pixels = ((pixels + 1) / 2).clamp(0, 1)
         if output_type == "pt":
             return pixels if bool(complete.all()) else [p if c else None for p, c in zip(pixels, complete.tolist())]

@@ -116,7 +116,11 @@ class SpeculativeMARPipeline(DiffusionPipeline):
             images = latents
         else:
             z = (latents / self.vae.config.scaling_factor).to(self.vae.dtype)
-            pixels = (self.vae.decode(z).sample.float().clamp(-1, 1) + 1) / 2
+            decoded = self.vae.decode(z).sample.float()
+            if not bool(torch.isfinite(decoded).all()):  # clamp keeps NaN: it would become a broken image
+                raise ValueError("the VAE decoder produced non-finite pixels (NaN or inf); check its weights and dtype "
+                                 "(output_type='latent' returns the latents without decoding)")
+            pixels = (decoded.clamp(-1, 1) + 1) / 2
             if output_type == "pt":
                 images = pixels
             else:

@@ -111,6 +111,18 @@ def test_pil_output_and_relaxed_rules():
     assert len(images) == 1 and tokens.shape == (1, 16) and stats.images == 1
 
 
+def test_broken_vq_decoder_is_refused_not_returned_as_an_image():
+    """A VQ decoder that turns out NaN would give a broken picture (clamp keeps NaN): refused
+    with a ValueError naming the decoder; the tokens are still available as output_type='latent'."""
+    pipe = make_pipe(torch.float32)
+    with torch.no_grad():
+        pipe.vq.vq.decoder.conv_in.weight.fill_(float("nan"))
+    for output_type in ("pil", "np", "pt"):
+        with pytest.raises(ValueError, match="VQ decoder produced non-finite pixels"):
+            pipe([0], output_type=output_type, generator=torch.Generator().manual_seed(0))
+    assert pipe([0], output_type="latent", generator=torch.Generator().manual_seed(0)).tokens.shape == (1, 16)
+
+
 def test_lantern_default_neighbourhood_is_lanterns_fraction_of_the_codebook(monkeypatch):
     # LANTERN's k = 1000 of 16384 codes, kept as a fraction of this codebook; an explicit k wins.
     from mmspec.acceptance.lantern import LanternAcceptance

@@ -217,6 +217,22 @@ def test_pipeline_plain_and_speculative_and_round_trip(tmp_path):
     assert SpeculativeMARPipeline.from_pretrained(tmp_path / "solo").drafter is None
 
 
+def test_broken_vae_decoder_is_refused_not_returned_as_an_image():
+    """A VAE decoder that turns out NaN would give a broken picture (clamp keeps NaN): refused
+    with a ValueError naming the decoder; latents are still available as output_type='latent'."""
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    vae = tiny_vae()
+    with torch.no_grad():
+        vae.decoder.conv_in.weight.fill_(float("nan"))
+    pipe = SpeculativeMARPipeline(transformer=tiny_mar(), vae=vae)
+    pipe.set_progress_bar_config(disable=True)
+    for output_type in ("pil", "np", "pt"):
+        with pytest.raises(ValueError, match="VAE decoder produced non-finite pixels"):
+            pipe([1], num_iter=2, speculative=False, output_type=output_type)
+    assert torch.isfinite(pipe([1], num_iter=2, speculative=False, output_type="latent").images).all()
+
+
 def test_pipeline_refuses_bad_inputs():
     from mmspec.pipelines import SpeculativeMARPipeline
 
