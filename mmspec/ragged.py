@@ -143,7 +143,8 @@ class RaggedKV:
         whole uncommitted region (token j sees every region slot and new tokens 0..j), as in a
         chain verify, a chain drafter's next token or an EAGLE catch-up. Over rows of equal
         length without prompt padding the visibility is then a fixed triangle and every row
-        writes the same slots, so the plan is a few operations instead of a gather."""
+        writes the same slots, so the plan is a few operations instead of a gather; over other
+        rows it is a comparison with each row's last visible slot (the writes stay scattered)."""
         B, Q = depth.shape
         device = depth.device
         T = uncommitted
@@ -166,11 +167,17 @@ class RaggedKV:
             return Attention(visible=visible, key_padding=None, q_pos=q_pos, slot_pos=self.slot_pos[:, :kv_len],
                              full=full)
         slots = torch.arange(kv_len, device=device).unsqueeze(0)  # [1, S]
-        rel = slots - self.length.unsqueeze(1)  # [B, S] offset into the uncommitted region
-        committed = (rel < 0) & self.prefix_valid[:, :kv_len]
-        in_region = (rel >= 0) & (rel < T + Q)
-        region_vis = tree_visible.gather(2, rel.clamp(0, T + Q - 1).unsqueeze(1).expand(B, Q, kv_len))
-        visible = committed.unsqueeze(1) | (in_region.unsqueeze(1) & region_vis)  # [B, Q, S]
+        if sees_region:
+            # A chain over rows of different lengths (or with prompt padding): new token j of row
+            # b sees its valid prefix and region up to its own slot, length[b] + T + j.
+            limit = self.length.unsqueeze(1) + (T + 1) + torch.arange(Q, device=device).unsqueeze(0)  # [B, Q]
+            visible = self.prefix_valid[:, :kv_len].unsqueeze(1) & (slots.unsqueeze(1) < limit.unsqueeze(2))
+        else:
+            rel = slots - self.length.unsqueeze(1)  # [B, S] offset into the uncommitted region
+            committed = (rel < 0) & self.prefix_valid[:, :kv_len]
+            in_region = (rel >= 0) & (rel < T + Q)
+            region_vis = tree_visible.gather(2, rel.clamp(0, T + Q - 1).unsqueeze(1).expand(B, Q, kv_len))
+            visible = committed.unsqueeze(1) | (in_region.unsqueeze(1) & region_vis)  # [B, Q, S]
         self.write_rows = torch.arange(B, device=device).unsqueeze(1).expand(B, Q)
         self.write_slots = self.length.unsqueeze(1) + T + torch.arange(Q, device=device).unsqueeze(0)
         q_pos = self.next_pos.unsqueeze(1) + depth
