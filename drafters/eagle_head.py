@@ -46,7 +46,6 @@ from mmspec.drafters.chain_stop import ChainStop
 from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.ragged import RaggedKV
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
-from mmspec.spec_target import chain_visibility
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig
 
@@ -451,6 +450,7 @@ class EagleHeadDrafter:
         K = self.k
         tokens, probs = [], []
         ended = self._stop.begin(B, device)
+        steps = torch.arange(K, device=device)
         for i in range(K):
             if sampling.greedy:  # no q is returned for greedy drafts: the argmax is enough
                 d = logits.argmax(-1)
@@ -461,9 +461,9 @@ class EagleHeadDrafter:
             tokens.append(d)
             if i == K - 1 or self._stop.every_row_ended(ended, d):
                 break
-            vis = torch.ones(B, 1, i + 1, dtype=torch.bool, device=device)
-            depth = torch.full((B, 1), i, dtype=torch.long, device=device)
-            feats = self._forward(d.unsqueeze(1), feats.unsqueeze(1), depth, vis, i, chain=True)[:, -1]
+            # The next chain token: it sees the whole region, so no tree visibility is needed.
+            depth = steps[i : i + 1].view(1, 1).expand(B, 1)
+            feats = self._forward(d.unsqueeze(1), feats.unsqueeze(1), depth, None, i, chain=True)[:, -1]
             logits = self.logits(feats)
         K = len(tokens)
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
@@ -538,8 +538,9 @@ class EagleHeadDrafter:
         pass
 
     def _forward(self, tokens, hidden, depth, vis, uncommitted, chain=False):
-        """`chain`: the caller's `vis` lets each token see the whole uncommitted region (a chain
-        step), so a step of equal-length unpadded rows runs without a mask."""
+        """`chain`: the tokens extend the whole uncommitted region as a chain (a chain step, a
+        catch-up), so a step of equal-length unpadded rows runs without a mask; `vis` may then
+        be None (the chain is all the plan needs)."""
         attention = self.kv.plan(depth, vis, uncommitted, sees_region=chain)
         x = self._fuse(self.embed(tokens), hidden.to(self._dtype))
         self.draft_calls += 1
@@ -552,8 +553,8 @@ class EagleHeadDrafter:
         rows = torch.arange(B, device=roots.device)
         tokens = self.pending_tokens.clone()
         tokens[rows, self.pending_count - 1] = roots
-        vis, depth = chain_visibility(B, P, roots.device)
-        out = self._forward(tokens, self.pending_hidden, depth, vis, 0, chain=True)
+        depth = torch.arange(P, device=roots.device).expand(B, P)  # a chain: no tree visibility needed
+        out = self._forward(tokens, self.pending_hidden, depth, None, 0, chain=True)
         self.kv.advance(self.pending_count, self.pending_host)
         return out[rows, self.pending_count - 1]
 

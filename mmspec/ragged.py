@@ -134,7 +134,7 @@ class RaggedKV:
     def plan(
         self,
         depth: torch.Tensor,  # [B, Q] logical offset of each new token from `next_pos`
-        tree_visible: torch.Tensor,  # [B, Q, T+Q] bool over the uncommitted region
+        tree_visible: torch.Tensor | None,  # [B, Q, T+Q] bool over the uncommitted region (None: a chain)
         uncommitted: int,  # T: tokens already in the uncommitted region (host int)
         *,
         sees_region: bool = False,  # host fact from the caller: the new tokens extend the region as a chain
@@ -144,7 +144,8 @@ class RaggedKV:
         chain verify, a chain drafter's next token or an EAGLE catch-up. Over rows of equal
         length without prompt padding the visibility is then a fixed triangle and every row
         writes the same slots, so the plan is a few operations instead of a gather; over other
-        rows it is a comparison with each row's last visible slot (the writes stay scattered)."""
+        rows it is a comparison with each row's last visible slot (the writes stay scattered).
+        `tree_visible` is not read then and may be None."""
         B, Q = depth.shape
         device = depth.device
         T = uncommitted
