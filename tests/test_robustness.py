@@ -12,6 +12,7 @@ import torch
 import mmspec
 from mmspec.acceptance import ExactAcceptance, get_rule
 from mmspec.drafters import ModelDrafter
+from mmspec.models.hf_generate import speculative_decoding
 from mmspec import sampling
 from mmspec.sampling import SamplingConfig
 
@@ -23,12 +24,20 @@ def models():
     return tiny_llama(layers=1, seed=0), tiny_llama(layers=1, seed=1)
 
 
-def _generate(models, drafter=None, **kw):
+def _generate(models, drafter=None, input_ids=None, **kw):
     target, small = models
-    ids, mask = left_padded([4, 3])
+    ids, mask = input_ids or left_padded([4, 3])
     args = dict(temperature=1.0, max_new_tokens=3, generator=torch.Generator().manual_seed(0))
     args.update(kw)
     return mmspec.speculative_generate(target, drafter or ModelDrafter(small, 2), ids, mask, **args)
+
+
+def _ids_with(token: int):
+    """A left-padded batch of two prompts whose second row holds `token` at its last position."""
+    ids, mask = left_padded([4, 3])
+    ids = ids.clone()
+    ids[1, -1] = token
+    return ids, mask
 
 
 _NAN_PROBS = torch.tensor([[0.5, float("nan"), 0.5]])
@@ -61,6 +70,13 @@ CASES = [
     ("gsd-no-embeddings", lambda m: get_rule("gsd"), ValueError, r"'gsd' needs its embeddings.*acceptance_kwargs"),
     ("cluster-no-labels", lambda m: get_rule("cluster_exact"), ValueError, r"'cluster_exact' needs its labels"),
     ("rule-unknown-kwarg", lambda m: get_rule("typical", epsilonn=0.1), TypeError, r"'typical' takes no argument.*epsilonn"),
+    ("input-id-over-vocab", lambda m: _generate(m, input_ids=_ids_with(VOCAB)), ValueError,
+     rf"token id {VOCAB}, outside the model's vocabulary of {VOCAB} embeddings"),
+    ("input-id-negative", lambda m: _generate(m, input_ids=_ids_with(-1)), ValueError, r"token id -1, outside"),
+    ("input-id-over-vocab-hf-generate", lambda m: m[0].generate(
+        input_ids=_ids_with(VOCAB + 3)[0], attention_mask=_ids_with(VOCAB + 3)[1], do_sample=False, max_new_tokens=3,
+        pad_token_id=0, custom_generate=speculative_decoding, drafter=ModelDrafter(m[1], 2)),
+     ValueError, rf"token id {VOCAB + 3}, outside"),
     ("rule-object-with-kwargs", lambda m: get_rule(ExactAcceptance(), k=3), ValueError, r"by name only"),
     ("probs-nan", lambda m: sampling.check_finite_probs(_NAN_PROBS, "drafter probabilities"), ValueError,
      r"drafter probabilities contain NaN"),
@@ -88,3 +104,5 @@ def test_good_inputs_still_pass(models):
     assert sampling.check_finite_probs(probs, "x") is probs
     out = _generate(models, acceptance=get_rule("typical", epsilon=0.1))
     assert out.sequences.shape == (2, 4 + 3)
+    edge = _generate(models, input_ids=_ids_with(VOCAB - 1), temperature=0)  # the last id is in the vocabulary
+    assert edge.sequences.shape == (2, 4 + 3)

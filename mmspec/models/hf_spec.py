@@ -112,6 +112,23 @@ class HFSpec(ForwardSpec):
                 "options such as 'temprature' land here too: the speculative options are keyword arguments of "
                 "speculative_generate)"
             )
+        self._check_token_ids(input_ids)
+
+    def _check_token_ids(self, input_ids) -> None:
+        """Every prompt id (padding included: the model embeds it too) must index the input
+        embedding; otherwise torch would fail deep inside the forward with an IndexError (CPU)
+        or a device-side assert (CUDA) that names neither the id nor the vocabulary."""
+        weight = getattr(self.model.get_input_embeddings(), "weight", None)
+        if not isinstance(weight, torch.Tensor) or input_ids.numel() == 0:
+            return
+        rows = weight.shape[0]
+        lo, hi = (int(v) for v in torch.aminmax(input_ids))  # SYNC: once per request
+        if lo < 0 or hi >= rows:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"input_ids hold token id {bad}, outside the model's vocabulary of {rows} embeddings (ids 0..{rows - 1}); "
+                "tokenize with the target's own tokenizer (and pad with its pad_token_id)"
+            )
 
     # ---- forwards -----------------------------------------------------------------------------------
     def prefill(self, input_ids, attention: Attention, kv: RaggedKV, model_inputs, features) -> SpecOutput:
