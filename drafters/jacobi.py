@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from mmspec.sampling import SamplingConfig, normalize, process_logits, sample_from
+from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput
 
@@ -120,9 +120,10 @@ class JacobiDrafter:
             self._fill_noise(N, generator)
             tokens = (q.clamp_min(0).log() + self.noise[:, :N].to(q.dtype)).argmax(-1)
         else:
-            tokens = sample_from(q.reshape(B * N, V), generator).view(B, N)
             if self.coupling == "maximal" and self.prev_q is not None:
-                tokens = self._maximal_coupling(tokens, q, N, generator)
+                tokens = self._maximal_coupling(q, N, generator)
+            else:
+                tokens = sample_from(q.reshape(B * N, V), generator).view(B, N)
         self._drafted = (tokens, q)
         return Draft(tokens=tokens, parents=chain_parents(B, N, device), draft_probs=q)
 
@@ -183,8 +184,11 @@ class JacobiDrafter:
         self.noise[:, :N] = torch.where(need.unsqueeze(-1), fresh, self.noise[:, :N])
         self.noise_valid[:, :N] = True
 
-    def _maximal_coupling(self, fresh: torch.Tensor, q: torch.Tensor, N: int, generator) -> torch.Tensor:
-        """Keep the previous draft y w.p. min(1, q(y)/q_old(y)), else draw from norm(max(q - q_old, 0))."""
+    def _maximal_coupling(self, q: torch.Tensor, N: int, generator) -> torch.Tensor:
+        """Keep the previous draft y w.p. min(1, q(y)/q_old(y)), else draw from norm(max(q - q_old, 0));
+        slots without a previous draft draw from q. One categorical draw per slot: each slot's
+        weights are its residual (or q where it has no previous draft, or where the residual has
+        no mass: then q_old = q and y is always kept), and the draw is used only where y is not."""
         B, _, V = q.shape
         valid = self.prev_valid[:, :N]
         y = self.prev_tokens[:, :N]
@@ -195,7 +199,8 @@ class JacobiDrafter:
                              torch.zeros_like(qy))
         where = generator.device if generator is not None else q.device
         u = torch.rand(B, N, generator=generator, device=where, dtype=q.dtype).to(q.device)
-        residual = normalize((q - q_old).clamp_min(0.0).reshape(B * N, V), q.reshape(B * N, V))
-        moved = sample_from(residual, generator).view(B, N)
-        coupled = torch.where(u < keep_p, y, moved)
-        return torch.where(valid, coupled, fresh)
+        residual = (q - q_old).clamp_min(0.0)
+        has_mass = residual.sum(-1) > torch.finfo(q.dtype).tiny * V * 16
+        weights = torch.where((valid & has_mass).unsqueeze(-1), residual, q)
+        drawn = sample_from(weights.reshape(B * N, V), generator).view(B, N)
+        return torch.where(valid & (u < keep_p), y, drawn)

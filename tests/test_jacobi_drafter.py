@@ -12,6 +12,7 @@ import torch
 import mmspec
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
+from mmspec.sampling import sample_from
 
 from _llamagen_helpers import LABELS, NUM_CLASSES, noisy_gpt, plain_greedy, tiny_gpt
 from test_core_sampling import chi_square_p
@@ -109,7 +110,8 @@ class KeepOldDraft(JacobiDrafter):
     """Planted bug: the maximal coupling keeps the previous draft always (drafts then follow
     the old distribution while q_new is reported)."""
 
-    def _maximal_coupling(self, fresh, q, N, generator):
+    def _maximal_coupling(self, q, N, generator):
+        fresh = sample_from(q.reshape(-1, q.shape[-1]), generator).view(q.shape[0], N)
         return torch.where(self.prev_valid[:, :N], self.prev_tokens[:, :N], fresh)
 
 
@@ -191,3 +193,35 @@ def test_jacobi_on_a_language_model_with_eos_rows_leaving(target):
                                       generator=torch.Generator().manual_seed(0))
     assert torch.equal(out.sequences, ref.sequences)
     assert len(set(ref.stats.new_tokens)) > 1  # rows left at different steps
+
+
+def _coupled_draws(drafter: JacobiDrafter, q: torch.Tensor, q_old: torch.Tensor, rows: int, valid: bool, seed: int):
+    """`rows` independent one-slot windows whose previous draft y ~ q_old; returns (y, new draft)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.multinomial(q_old, rows, replacement=True, generator=g).view(rows, 1)
+    drafter.prev_valid = torch.full((rows, 1), valid)
+    drafter.prev_tokens = y
+    drafter.prev_q = q_old.view(1, 1, -1).expand(rows, 1, -1)
+    return y, drafter._maximal_coupling(q.view(1, 1, -1).expand(rows, 1, -1), 1, g)
+
+
+def test_maximal_coupling_draws_follow_q_and_keep_as_often_as_possible():
+    """The new draft is distributed exactly q (chi-square on 20000 draws) and equals the old draft
+    y ~ q_old with probability sum_v min(q, q_old) (the maximal coupling's agreement; a binomial
+    tolerance of 4 standard deviations). Power: the old drafts themselves (law q_old) fail the
+    same chi-square test, and a slot without an old draft is never 'kept' more than chance."""
+    rows = 20000
+    q = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.10, 0.05], dtype=torch.float64)
+    q_old = torch.tensor([0.05, 0.10, 0.25, 0.30, 0.20, 0.10], dtype=torch.float64)
+    drafter = JacobiDrafter(1, "maximal", vocab_size=6)
+    y, new = _coupled_draws(drafter, q, q_old, rows, True, seed=3)
+    counts = torch.bincount(new.flatten(), minlength=6)
+    assert chi_square_p(counts, q, rows) > 1e-4
+    assert chi_square_p(torch.bincount(y.flatten(), minlength=6), q, rows) < 1e-6  # power
+    agree = float((new == y).double().mean())
+    expected = float(torch.minimum(q, q_old).sum())  # 0.55 here
+    assert abs(agree - expected) < 4 * (expected * (1 - expected) / rows) ** 0.5, (agree, expected)
+    # Slots without a previous draft: a fresh draw from q, equal to y only by chance.
+    y, fresh = _coupled_draws(drafter, q, q_old, rows, False, seed=4)
+    assert chi_square_p(torch.bincount(fresh.flatten(), minlength=6), q, rows) > 1e-4
+    assert float((fresh == y).double().mean()) < expected - 0.2  # chance: sum q * q_old = 0.155
