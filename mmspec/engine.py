@@ -187,6 +187,7 @@ class _Emitter:
         # the same results as the tensor version in about a third of the operations. Elsewhere
         # the tensor version keeps the work on the device until that sync.
         self.on_host = torch.device(device).type == "cpu"
+        self._zero_info: dict[int, tuple] = {}
 
     def first(self, roots: torch.Tensor) -> list[int]:
         """Write the prefill token; returns the active rows that go on."""
@@ -302,6 +303,8 @@ class _Emitter:
         # Active rows have written < max_new (finished rows were dropped), so each takes its token.
         self.buf[self.rows_dev, self.written] = next_tokens
         self.written = self.written + 1
+        if self.on_host:
+            return self._emit_root_host(next_tokens, finite)
         parts = [self.written, finite.long().expand(Ba)]
         if self.eos:
             parts.append(torch.isin(next_tokens, self.eos_t).long())
@@ -319,6 +322,26 @@ class _Emitter:
             next_tokens=next_tokens, num_accepted_list=[0] * Ba,
         )
         keep = [i for i in range(Ba) if not ended[i] and written_host[i] < self.max_new]
+        return info, [0] * Ba, [1] * Ba, keep
+
+    def _emit_root_host(self, next_tokens: torch.Tensor, finite: torch.Tensor):
+        """The rest of `emit_root` on the host (CPU tensors; the buffer is written)."""
+        Ba = next_tokens.shape[0]
+        tokens = next_tokens.tolist()  # SYNC: the one per step
+        if Ba and not bool(finite):
+            raise ValueError("non-finite probabilities (NaN or inf) in this step's target distribution; check the "
+                             "model's dtype and inputs (the output would be silently wrong)")
+        eos, max_new = self.eos_set, self.max_new
+        written = self.written_host = [w + 1 for w in self.written_host]
+        for r in self.rows_host:
+            self.new_tokens[r] += 1
+        keep = [i for i in range(Ba) if tokens[i] not in eos and written[i] < max_new]
+        zero = self._zero_info.get(Ba)
+        if zero is None:  # the K = 0 commit info of Ba rows, built once (never written to)
+            zeros = torch.zeros(Ba, dtype=torch.long, device=next_tokens.device)
+            zero = self._zero_info[Ba] = (zeros.unsqueeze(1), zeros, zeros.new_empty(Ba, 0))
+        info = CommitInfo(path=zero[0], num_accepted=zero[1], accepted_tokens=zero[2], next_tokens=next_tokens,
+                          num_accepted_list=[0] * Ba)
         return info, [0] * Ba, [1] * Ba, keep
 
     def select(self, keep: list[int]) -> torch.Tensor:

@@ -47,9 +47,14 @@ def test_host_and_tensor_bookkeeping_agree(eos, tree):
         host.select(keep), dev.select(keep)
         finite = torch.tensor([True, True])
         while host.rows_host:
-            tokens, verdict = _step(rng, len(host.rows_host), N, tree)
-            a_info, *a = host.emit(tokens, verdict, finite)
-            b_info, *b = dev.emit(tokens, verdict, finite)
+            if rng.random() < 0.3:  # a K = 0 step (plain decoding, or the adaptive controller's choice)
+                roots = torch.tensor([rng.randrange(V) for _ in host.rows_host])
+                a_info, *a = host.emit_root(roots, torch.tensor(True))
+                b_info, *b = dev.emit_root(roots, torch.tensor(True))
+            else:
+                tokens, verdict = _step(rng, len(host.rows_host), N, tree)
+                a_info, *a = host.emit(tokens, verdict, finite)
+                b_info, *b = dev.emit(tokens, verdict, finite)
             assert a == b  # accepted counts, emitted counts, rows that go on
             for field in ("path", "num_accepted", "accepted_tokens", "next_tokens"):
                 assert torch.equal(getattr(a_info, field), getattr(b_info, field)), field
@@ -74,3 +79,6 @@ def test_host_bookkeeping_refuses_non_finite_steps(culprit):
     for emitter in (host, dev):
         with pytest.raises(ValueError, match=f"non-finite probabilities .* {name} distribution"):
             emitter.emit(tokens, verdict, finite)
+        if culprit == 0:  # K = 0 steps check the target alone
+            with pytest.raises(ValueError, match="non-finite probabilities .* target distribution"):
+                emitter.emit_root(tokens[:, 0], torch.tensor(False))
