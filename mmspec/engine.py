@@ -167,6 +167,12 @@ def _finite(logits: torch.Tensor, probs: torch.Tensor, sampling: SamplingConfig)
     return torch.isfinite(probs).all()
 
 
+def _non_finite(which: str) -> ValueError:
+    """The error of a step whose `which` ("target" / "drafter") distribution was NaN or inf."""
+    return ValueError(f"non-finite probabilities (NaN or inf) in this step's {which} distribution; check the "
+                      "model's dtype and inputs (the output would be silently wrong)")
+
+
 class _Emitter:
     """Output buffer and per-row progress: which tokens a step emits, EOS and length limits,
     which rows are still active."""
@@ -225,11 +231,7 @@ class _Emitter:
         parts = [n, count, self.written, finite.long().min().expand(Ba)] + ([hit.any(1).long()] if self.eos else [])
         host = torch.stack(parts).tolist()  # SYNC: the one per step (accepted counts, ends, finiteness)
         if Ba and not host[3][0]:
-            raise ValueError(
-                "non-finite probabilities (NaN or inf) in this step's "
-                f"{'target' if not bool(finite[0]) else 'drafter'} distribution; check the model's dtype and inputs "
-                "(the output would be silently wrong)"
-            )
+            raise _non_finite("target" if not bool(finite[0]) else "drafter")
         host = host[:3] + host[4:]
         n_host, count_host, written_host = host[0], host[1], host[2]
         self.written_host = written_host
@@ -256,11 +258,7 @@ class _Emitter:
         host = torch.cat([n.unsqueeze(1), verdict.next_tokens.unsqueeze(1).to(drafted.dtype),
                           finite.long().min().expand(Ba, 1), drafted], 1).tolist()  # SYNC: the one per step
         if Ba and not host[0][2]:
-            raise ValueError(
-                "non-finite probabilities (NaN or inf) in this step's "
-                f"{'target' if not bool(finite[0]) else 'drafter'} distribution; check the model's dtype and inputs "
-                "(the output would be silently wrong)"
-            )
+            raise _non_finite("target" if not bool(finite[0]) else "drafter")
         eos, max_new = self.eos_set, self.max_new
         n_host, count_host, keep, accepted = [], [], [], []
         rows, cols, vals = [], [], []
@@ -310,8 +308,7 @@ class _Emitter:
             parts.append(torch.isin(next_tokens, self.eos_t).long())
         host = torch.stack(parts).tolist()  # SYNC: the one per step
         if Ba and not host[1][0]:
-            raise ValueError("non-finite probabilities (NaN or inf) in this step's target distribution; check the "
-                             "model's dtype and inputs (the output would be silently wrong)")
+            raise _non_finite("target")
         written_host = self.written_host = host[0]
         ended = host[2] if self.eos else [0] * Ba
         for r in self.rows_host:
@@ -329,8 +326,7 @@ class _Emitter:
         Ba = next_tokens.shape[0]
         tokens = next_tokens.tolist()  # SYNC: the one per step
         if Ba and not bool(finite):
-            raise ValueError("non-finite probabilities (NaN or inf) in this step's target distribution; check the "
-                             "model's dtype and inputs (the output would be silently wrong)")
+            raise _non_finite("target")
         eos, max_new = self.eos_set, self.max_new
         written = self.written_host = [w + 1 for w in self.written_host]
         for r in self.rows_host:

@@ -106,3 +106,20 @@ def test_good_inputs_still_pass(models):
     assert out.sequences.shape == (2, 4 + 3)
     edge = _generate(models, input_ids=_ids_with(VOCAB - 1), temperature=0)  # the last id is in the vocabulary
     assert edge.sequences.shape == (2, 4 + 3)
+
+
+def test_multimodal_placeholder_ids_past_the_embedding_are_not_refused():
+    """A family whose forward swaps its image token out before embedding may use an id past the
+    embedding; the prompt-id check lets exactly that id through and still refuses its neighbour."""
+    from mmspec.models.hf_spec import HFSpec
+
+    model = tiny_llama(layers=1, seed=0)
+    model.config.image_token_id = VOCAB + 5
+    spec = HFSpec(model)
+    ids, _ = _ids_with(VOCAB + 5)
+    spec._check_token_ids(ids)  # the placeholder passes
+    with pytest.raises(ValueError, match=rf"token id {VOCAB + 4}, outside"):
+        spec._check_token_ids(_ids_with(VOCAB + 4)[0])
+    model.config.image_token_id = 3  # inside the vocabulary: nothing is exempted
+    with pytest.raises(ValueError, match=rf"token id {VOCAB + 5}, outside"):
+        HFSpec(model)._check_token_ids(ids)

@@ -122,6 +122,15 @@ class HFSpec(ForwardSpec):
         if not isinstance(weight, torch.Tensor) or input_ids.numel() == 0:
             return
         rows = weight.shape[0]
+        # Multimodal placeholders (an image / video token id) may lie past the embedding in
+        # some families, whose forward swaps them out before embedding: not refused here.
+        config = getattr(self.model, "config", None)
+        special = [v for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+                   if isinstance(v := getattr(config, name, None), int) and not isinstance(v, bool) and v >= rows]
+        if special:
+            input_ids = input_ids[~torch.isin(input_ids, torch.tensor(special, device=input_ids.device))]
+            if input_ids.numel() == 0:
+                return
         lo, hi = (int(v) for v in torch.aminmax(input_ids))  # SYNC: once per request
         if lo < 0 or hi >= rows:
             bad = lo if lo < 0 else hi
