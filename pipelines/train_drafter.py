@@ -38,13 +38,26 @@ from .train_config import KINDS, TrainDrafterConfig, lr_at
 
 
 # ---- data ---------------------------------------------------------------------------------------------
-def data_items(config: TrainDrafterConfig) -> list[tuple]:
-    """(image, prompt) pairs: prompt None = the pipeline's caption prompt."""
+def world_image_size(pipe) -> int:
+    """The size to render the testbed world's scenes at for ``pipe``: its processor's square crop
+    (the testbed VLMs: no resampling), else the world's default 64 (processors that resize freely,
+    Qwen2-VL's)."""
+    from mmspec.testbed.vlm_eval import scene_size
+
+    try:
+        return scene_size(pipe.processor)
+    except ValueError:
+        return 64
+
+
+def data_items(config: TrainDrafterConfig, image_size: int = 64) -> list[tuple]:
+    """(image, prompt) pairs: prompt None = the pipeline's caption prompt. Without ``config.data``
+    the testbed world's training scenes, rendered at ``image_size`` (``world_image_size(pipe)``)."""
     rng = random.Random(config.seed)
     if config.data is None:
         from mmspec.testbed.world import World
 
-        world = World(seed=config.seed, split="train")
+        world = World(seed=config.seed, split="train", image_size=image_size)
         items = []
         for i in range(config.num_images):
             scene = world.scene(i)
@@ -259,7 +272,7 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
     if data_path.is_file():
         examples = load_data(data_path, config)
     else:
-        examples = regenerate(pipe, data_items(config), config)
+        examples = regenerate(pipe, data_items(config, world_image_size(pipe)), config)
         torch.save({"key": data_key(config), "examples": examples}, data_path)
     drafter = new_drafter(pipe, config).to(config.device).train()
     params = [p for p in drafter.parameters() if p.requires_grad]

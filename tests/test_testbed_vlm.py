@@ -278,3 +278,39 @@ def test_visible_objects_drop_only_an_object_drawn_over_entirely():
     hidden = [s for s in scenes if len(visible_objects(s.attributes)) < len(s.attributes["objects"])]
     assert 0 < len(hidden) < 20  # the docstring's count (9): rare, but there
     assert all(not caption_correct(c, {"objects": visible_objects(s.attributes)}) for s in hidden for c in s.captions)
+
+
+def test_scenes_render_at_the_processor_crop_everywhere_the_testbed_vlm_reads_them(tmp_path):
+    """A testbed VLM with a 128-px processor (`--image-size 128 --patch-size 16`): the data stage
+    stores the processor's pixels of the world's scenes rendered at 128 (not 64-px renders
+    resampled), the world's scenes at 128 carry the same attributes, captions and questions as at
+    64, `scene_size` reads the crop (and refuses a non-square one), and the drafters' training
+    data are rendered at the pipeline's size."""
+    from types import SimpleNamespace
+
+    from mmspec.cli import main
+    from mmspec.pipelines import SpeculativeVLMPipeline
+    from mmspec.pipelines.train_drafter import data_items, world_image_size
+    from mmspec.pipelines.train_config import TrainDrafterConfig
+    from mmspec.testbed.vlm_eval import scene_size
+
+    small, big = World(seed=0, split="train").scene(3), World(seed=0, split="train", image_size=128).scene(3)
+    assert big.image.size == (128, 128) and small.image.size == (64, 64)
+    assert big.attributes == small.attributes and big.captions == small.captions and big.qa == small.qa
+    work = tmp_path / "work"
+    assert main(["testbed", "train-vlm", "--out", str(tmp_path / "vlm"), "--work", str(work), *TINY,
+                 "--image-size", "128", "--patch-size", "16", "--stages", "data,tower,lm,eval"]) == 0
+    pipe = SpeculativeVLMPipeline.from_pretrained(tmp_path / "vlm")
+    assert scene_size(pipe.processor) == 128 == world_image_size(pipe)
+    data = torch.load(work / "data_train.pt", weights_only=False)
+    world = World(seed=0, split="train", image_size=128)
+    want = pipe.processor.image_processor([world.scene(i).image for i in range(3)], return_tensors="pt")["pixel_values"]
+    assert torch.equal(data["pixels"][:3], want.half())
+    resampled = pipe.processor.image_processor([World(seed=0, split="train").scene(i).image for i in range(3)],
+                                               return_tensors="pt")["pixel_values"]
+    assert not torch.equal(data["pixels"][:3], resampled.half())
+    config = TrainDrafterConfig(pipeline="-", drafter="eagle", out=str(tmp_path / "d"), num_images=2)
+    assert [img.size for img, _ in data_items(config, world_image_size(pipe))] == [(128, 128)] * 2
+    with pytest.raises(ValueError, match="crop_size"):
+        scene_size(SimpleNamespace(crop_size={"height": 64, "width": 48}))
+    assert world_image_size(SimpleNamespace(processor=SimpleNamespace())) == 64  # no square crop: the world's default

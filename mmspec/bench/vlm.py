@@ -219,7 +219,9 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
     if bad:
         raise ValueError(f"auto drafters {bad} are not among the benchmarked drafters {names}")
     methods += [auto_variant(pipe, n, cfg.auto_max_draft_tokens) for n in cfg.auto_drafters]
-    scenes = World(seed=cfg.seed, split="validation").sample(cfg.num_scenes)
+    from mmspec.testbed.vlm_eval import scene_size
+
+    scenes = World(seed=cfg.seed, split="validation", image_size=scene_size(pipe.processor)).sample(cfg.num_scenes)
     t = pipe.target
     report = {"config": dataclasses.asdict(cfg), "model": {
         "target_parameters": sum(p.numel() for p in t.parameters()),
@@ -302,13 +304,19 @@ def demo(model: str = DEFAULT_MODEL, *, scenes: int = 6, batch_sizes=(1, 4), max
     scenes (one timed round, interleaved), then each scene's caption with its check."""
     from PIL import Image
 
-    from mmspec.testbed.vlm_eval import caption_correct
+    from mmspec.testbed.vlm_eval import caption_correct, scene_size
 
     if threads:
         torch.set_num_threads(threads)
     pipe = load_pipeline(model)
     records = json.loads((SAMPLE_SCENES / "scenes.json").read_text())[:scenes]
     images = [Image.open(SAMPLE_SCENES / r["image"]).convert("RGB") for r in records]
+    size = scene_size(pipe.processor)
+    if images and images[0].size != (size, size):  # the same scenes rendered at the size the model reads
+        from mmspec.testbed.world import World
+
+        world = World(seed=0, split="validation", image_size=size)
+        images = [world.scene(r["index"]).image for r in records]
     prompts = [None] * len(images)
     methods = ["plain"] + sorted(pipe.drafters)
     default = next((n for n, d in pipe.drafters.items() if d is pipe.drafter), None)

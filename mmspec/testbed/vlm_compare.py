@@ -47,13 +47,16 @@ def paired_comparison(a_ok: list, b_ok: list, z: float = 1.959964) -> dict:
 def compare(dir_a: str, dir_b: str, *, scenes: int = 200, seed: int = 0, max_new_tokens: int = 40,
             progress: bool = True) -> dict:
     from mmspec.bench.vlm import load_pipeline
-    from mmspec.testbed.vlm_eval import evaluate
+    from mmspec.testbed.vlm_eval import evaluate, scene_size
     from mmspec.testbed.world import World
 
     if isinstance(scenes, bool) or not isinstance(scenes, int) or scenes < 1:
         raise ValueError(f"scenes must be an int >= 1 (validation scenes both models answer), got {scenes!r}")
-    val = World(seed=seed, split="validation").sample(scenes)
-    runs = [evaluate(load_pipeline(d), val, max_new_tokens=max_new_tokens, progress=progress) for d in (dir_a, dir_b)]
+    runs = []
+    for d in (dir_a, dir_b):  # the same scenes, each rendered at the size its processor crops to
+        pipe = load_pipeline(d)
+        val = World(seed=seed, split="validation", image_size=scene_size(pipe.processor)).sample(scenes)
+        runs.append(evaluate(pipe, val, max_new_tokens=max_new_tokens, progress=progress))
     out = {"a": dir_a, "b": dir_b, "scenes": scenes, "seed": seed}
     for key, label in (("caption_ok", "captions"), ("vqa_ok", "vqa")):
         out[label] = paired_comparison(*([c == "1" for c in r["per_scene"][key]] for r in runs))

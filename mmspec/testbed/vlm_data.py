@@ -27,7 +27,7 @@ def render(cfg, split: str, n: int, processor) -> dict:
     from mmspec.testbed.language import sample_captions
     from mmspec.testbed.world import World
 
-    world = World(seed=cfg.seed, split=split)
+    world = World(seed=cfg.seed, split=split, image_size=cfg.image_size)  # rendered at the processor crop: no resampling
     wc = world.config
     pixels, patches, cover, objects, present, count, captions, qa = [], [], [], [], [], [], [], []
     chunk = []

@@ -23,6 +23,8 @@
   (the mentions do not pair up), ``count`` (a wrong number of objects), ``shape``, ``colour``,
   ``colour+shape`` (the right number of objects, the named shapes / colours not the scene's as
   multisets) or ``pairing`` (right colours and shapes, paired wrong).
+- ``scene_size(processor)``: the side a testbed VLM's processor crops to; its scenes are rendered
+  at that size (``World(..., image_size=scene_size(...))``) so the processor does not resample.
 - ``question_kind(question)``: which of the grammar's question templates asked it (``colour``,
   ``shape``, ``count``, ``position``, ``exists``; ``other`` for a question of no template).
 - ``evaluate(pipe, scenes)``: both rates through a ``SpeculativeVLMPipeline`` (plain greedy),
@@ -77,6 +79,20 @@ def caption_pairs(text: str) -> list[tuple[str, str]] | None:
         colour, shape = (a[1], b[1]) if a[0] == "colour" else (b[1], a[1])
         pairs.append((colour, shape))
     return pairs
+
+
+def scene_size(processor) -> int:
+    """The side (pixels) a testbed VLM's processor crops to: render its scenes at this size."""
+    image_processor = getattr(processor, "image_processor", processor)
+    crop = getattr(image_processor, "crop_size", None)
+    if isinstance(crop, dict):
+        size, width = crop.get("height"), crop.get("width")
+    else:  # transformers' SizeDict (a reloaded processor)
+        size, width = getattr(crop, "height", None), getattr(crop, "width", None)
+    if not isinstance(size, int) or width != size:
+        raise ValueError(f"processor crop_size={crop!r}: the testbed VLMs crop square images "
+                         "(crop_size={'height': N, 'width': N})")
+    return size
 
 
 def caption_correct(text: str | None, attrs: dict[str, Any]) -> bool:

@@ -85,7 +85,7 @@ class VLMTrainConfig:
     # data
     n_train: int = 36000
     n_val: int = 200
-    image_size: int = 64  # processor crop (scenes are rendered at 64: no resampling)
+    image_size: int = 64  # processor crop; the scenes are rendered at this size (no resampling)
     patch_size: int = 8
     # "default": LLaVA drops the tower's CLS token; "full" (the default since session 21): keeps it as one
     # more visual token, which the tower stage trains to carry the scene's set of objects and their count
@@ -375,7 +375,7 @@ def stage_lm(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
     processor = AutoProcessor.from_pretrained(work / "processor")
     tok = processor.tokenizer
     image_id = tok.convert_tokens_to_ids(processor.image_token)
-    check_layout(processor, tok, World(seed=cfg.seed, split="validation").scene(0).image)
+    check_layout(processor, tok, World(seed=cfg.seed, split="validation", image_size=cfg.image_size).scene(0).image)
     train = torch.load(work / "data_train.pt", weights_only=False)
     model = build_model(cfg, len(tok), image_id).to(cfg.device)
     model.model.vision_tower.load_state_dict(torch.load(work / "tower.pt"))
@@ -501,7 +501,7 @@ def stage_eval(cfg: VLMTrainConfig, work: Path, out_dir: Path) -> dict:
     from mmspec.testbed.world import World
 
     pipe = load_full(cfg, work)
-    val = World(seed=cfg.seed, split="validation").sample(cfg.n_val)
+    val = World(seed=cfg.seed, split="validation", image_size=cfg.image_size).sample(cfg.n_val)
     quality = evaluate(pipe, val, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress)
     accept = accepted_lengths(pipe, val[:cfg.accept_scenes], cfg.max_new_tokens) if pipe.drafters else {}
     best = max(accept, key=lambda k: accept[k]["mean_accepted_length"]) if accept else None
