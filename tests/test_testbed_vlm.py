@@ -314,3 +314,26 @@ def test_scenes_render_at_the_processor_crop_everywhere_the_testbed_vlm_reads_th
     with pytest.raises(ValueError, match="crop_size"):
         scene_size(SimpleNamespace(crop_size={"height": 64, "width": 48}))
     assert world_image_size(SimpleNamespace(processor=SimpleNamespace())) == 64  # no square crop: the world's default
+
+
+def test_caption_check_against_visible_objects_uses_the_size_the_scene_was_shown_at():
+    """Whether a small object peeks out from under a later one depends on the rendering size
+    (validation scene 50: three objects visible at 64 px, two at 128 px). `evaluate` checks the
+    visible-objects caption figure at each scene's own image size."""
+    from types import SimpleNamespace
+
+    from mmspec.testbed.language import noun_phrase
+    from mmspec.testbed.vlm_eval import evaluate, visible_objects
+
+    big = World(seed=0, split="validation", image_size=128).scene(50)
+    at64, at128 = visible_objects(big.attributes, 64), visible_objects(big.attributes, 128)
+    assert len(at64) == 3 and len(at128) == 2
+    rng = __import__("numpy").random.default_rng(0)
+    text = "a photo of " + " and ".join(noun_phrase(o, rng) for o in at128)
+
+    def pipe(images, prompts, **kw):  # a stand-in model that names what is visible at 128 px
+        return SimpleNamespace(texts=[text if prompts is None else "yes"] * len(images))
+
+    assert evaluate(pipe, [big], progress=False)["caption_correct_visible_objects"] == 1.0
+    small = World(seed=0, split="validation").scene(50)
+    assert evaluate(pipe, [small], progress=False)["caption_correct_visible_objects"] == 0.0

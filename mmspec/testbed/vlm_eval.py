@@ -14,9 +14,10 @@
   is pink" is listed for "what is the colour of the lozenge ?", "the rhombus is pink" is not;
   "disc" is, "a disc" is not), and a model that learned the synonyms was marked wrong for them.
   ``vqa_exact(answer, valid)`` is the phrase-exact check of earlier bundles (reported beside).
-- ``visible_objects(attrs)``: the scene's objects with at least one visible pixel at 64 x 64
-  (the world draws later objects over earlier ones; 9 of the 200 validation scenes have an
-  object hidden entirely, 7 of them 3-object scenes). ``evaluate`` reports caption correctness
+- ``visible_objects(attrs, size=64)``: the scene's objects with at least one visible pixel at
+  size x size, which ``evaluate`` takes from each scene's image (the world draws later objects
+  over earlier ones; 9 of the 200 validation scenes have an object hidden entirely at 64 px, 7
+  of them 3-object scenes). ``evaluate`` reports caption correctness
   against all objects (the goal's figure) and, beside it, against the visible ones: no model
   can name an object it is not shown.
 - ``caption_error(text, attrs)``: why a caption fails (None when it is right): ``unpaired``
@@ -189,7 +190,8 @@ def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, pr
         answers += pipe(imgs, [s.qa[0][0] for s in chunk], max_new_tokens=max_new_tokens, speculative=False).texts
     errors = [caption_error(t, s.attributes) for t, s in zip(captions, scenes)]
     cap_ok = [e is None for e in errors]
-    cap_visible_ok = [caption_correct(t, {"objects": visible_objects(s.attributes)}) for t, s in zip(captions, scenes)]
+    cap_visible_ok = [caption_correct(t, {"objects": visible_objects(s.attributes, s.image.size[0])})  # at the size shown
+                      for t, s in zip(captions, scenes)]
     vqa_ok = [vqa_correct(a, s.qa[0][1]) for a, s in zip(answers, scenes)]
     vqa_exact_ok = [vqa_exact(a, s.qa[0][1]) for a, s in zip(answers, scenes)]
 
