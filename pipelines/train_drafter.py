@@ -103,19 +103,24 @@ def regenerate(pipe, items, config: TrainDrafterConfig) -> list[dict]:
     return examples
 
 
-def data_key(config: TrainDrafterConfig) -> dict:
-    """The settings that decide which answers `data.pt` holds (a resume must not reuse other ones)."""
-    return {"data": None if config.data is None else str(config.data), "num_images": config.num_images,
-            "answer_tokens": config.answer_tokens, "seed": config.seed}
+def data_key(config: TrainDrafterConfig, image_size: int = 64) -> dict:
+    """The settings that decide which answers `data.pt` holds (a resume must not reuse other ones);
+    ``image_size``: the size the world's scenes were rendered at (when ``config.data`` is None)."""
+    key = {"data": None if config.data is None else str(config.data), "num_images": config.num_images,
+           "answer_tokens": config.answer_tokens, "seed": config.seed}
+    if config.data is None:
+        key["image_size"] = image_size
+    return key
 
 
-def load_data(path: Path, config: TrainDrafterConfig) -> list[dict]:
+def load_data(path: Path, config: TrainDrafterConfig, image_size: int = 64) -> list[dict]:
     """`data.pt`'s examples; ValueError when they were regenerated for other settings."""
     saved = torch.load(path, weights_only=False)
     key = saved.get("key") if isinstance(saved, dict) else None
-    if key != data_key(config):
+    want = data_key(config, image_size)
+    if key != want:
         raise ValueError(f"{path} holds the target's answers for {key or 'unrecorded settings'}, not for "
-                         f"{data_key(config)}; delete it (or use another --out) to regenerate them")
+                         f"{want}; delete it (or use another --out) to regenerate them")
     return saved["examples"]
 
 
@@ -269,11 +274,12 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
         pipe = SpeculativeVLMPipeline.from_pretrained(config.pipeline, dtype=torch.float32)
     pipe.target.to(config.device).requires_grad_(False)
     data_path = out / "data.pt"
+    size = world_image_size(pipe)
     if data_path.is_file():
-        examples = load_data(data_path, config)
+        examples = load_data(data_path, config, size)
     else:
-        examples = regenerate(pipe, data_items(config, world_image_size(pipe)), config)
-        torch.save({"key": data_key(config), "examples": examples}, data_path)
+        examples = regenerate(pipe, data_items(config, size), config)
+        torch.save({"key": data_key(config, size), "examples": examples}, data_path)
     drafter = new_drafter(pipe, config).to(config.device).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)

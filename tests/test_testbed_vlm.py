@@ -226,6 +226,19 @@ def test_train_vlm_regenerates_shared_drafter_data_for_other_settings(tiny_run):
                  "--stages", "text"]) == 0
     saved = torch.load(shared, weights_only=False)
     assert saved["key"]["num_images"] == 6 and len(saved["examples"]) == 6
+    assert saved["key"]["image_size"] == 64  # the world's scenes, at the bundle-like 64 px
+
+
+def test_drafter_data_rendered_at_another_size_are_not_reused(tmp_path):
+    """`data.pt` of world scenes rendered at 64 px is refused for a 128-px pipeline (resume)."""
+    from mmspec.pipelines.train_config import TrainDrafterConfig
+    from mmspec.pipelines.train_drafter import data_key, load_data
+
+    config = TrainDrafterConfig(pipeline="-", drafter="eagle", out=str(tmp_path))
+    torch.save({"key": data_key(config, 64), "examples": [{"ids": [1]}]}, tmp_path / "data.pt")
+    assert load_data(tmp_path / "data.pt", config, 64) == [{"ids": [1]}]
+    with pytest.raises(ValueError, match="image_size"):
+        load_data(tmp_path / "data.pt", config, 128)
 
 
 @pytest.mark.parametrize("strategy,tokens", [("full", 65), ("default", 64)])
@@ -322,13 +335,15 @@ def test_caption_check_against_visible_objects_uses_the_size_the_scene_was_shown
     visible-objects caption figure at each scene's own image size."""
     from types import SimpleNamespace
 
+    import numpy as np
+
     from mmspec.testbed.language import noun_phrase
     from mmspec.testbed.vlm_eval import evaluate, visible_objects
 
     big = World(seed=0, split="validation", image_size=128).scene(50)
     at64, at128 = visible_objects(big.attributes, 64), visible_objects(big.attributes, 128)
     assert len(at64) == 3 and len(at128) == 2
-    rng = __import__("numpy").random.default_rng(0)
+    rng = np.random.default_rng(0)
     text = "a photo of " + " and ".join(noun_phrase(o, rng) for o in at128)
 
     def pipe(images, prompts, **kw):  # a stand-in model that names what is visible at 128 px

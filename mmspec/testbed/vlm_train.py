@@ -453,9 +453,9 @@ def stage_drafter(cfg: VLMTrainConfig, work: Path, log: dict, kind: str) -> dict
     shared = work / "drafter_data.pt"  # the target's regenerated answers: the same for every drafter
     if shared.is_file():
         try:
-            load_data(shared, dc)
+            load_data(shared, dc, cfg.image_size)
             shutil.copy(shared, out / "data.pt")
-        except ValueError:  # regenerated for other --drafter-images / --answer-tokens: regenerate
+        except ValueError:  # regenerated for other --drafter-images / --answer-tokens / --image-size: regenerate
             shared.unlink()
     result = train_drafter(dc)
     if not shared.is_file():
