@@ -6,6 +6,8 @@
     mmspec bench imagegen [options]  image generation: plain vs every drafter and rule, JSON out
     mmspec bench mar [options]       MAR (continuous tokens): plain sampling vs CSpD, JSON out
     mmspec bench vlm [options]       VLM captions / VQA: plain vs each drafter, JSON out (mmspec/bench/vlm.py)
+    mmspec bench gpu [options]       7B-shaped target on a GPU, forced acceptance, vs the replay ideal
+                                     (mmspec/bench/gpu.py; `--shape tiny --device cpu`: smoke run)
     mmspec generate --class N --out DIR   class-conditional images (speculative; --compare: vs plain;
                                      MAR folders: CSpD, see pipelines/mar_cli.py)
     mmspec testbed ...               the procedural world, VQ tokenizer and judge (see

@@ -49,7 +49,7 @@ def noisy_copy(model, scale: float, seed: int = 123):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp_min(1e-3))
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device) * scale * p.std().clamp_min(1e-3))
     return other
 
 

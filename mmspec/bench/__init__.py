@@ -7,4 +7,5 @@ SUITES: dict[str, str] = {
     "core": "mmspec.bench.draft_length:main",
     "mar": "mmspec.bench.mar:main",  # MAR: plain sampling vs CSpD
     "vlm": "mmspec.bench.vlm:main",
+    "gpu": "mmspec.bench.gpu:main",  # real-size shapes on a GPU, forced acceptance, vs the replay ideal
 }

@@ -106,7 +106,7 @@ def _replay(models: dict, ids, mask, log):
 
     vocab = min(m.config.vocab_size for m in models.values())
     width = max(w for _, _, w in log)
-    new = torch.randint(3, vocab, (ids.shape[0], width), generator=torch.Generator().manual_seed(0))
+    new = torch.randint(3, vocab, (ids.shape[0], width), generator=torch.Generator().manual_seed(0)).to(ids.device)
     caches, seen, plan = {}, set(), []
     with torch.no_grad():
         for name, b, w in log:

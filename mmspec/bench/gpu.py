@@ -1,0 +1,293 @@
+"""`mmspec bench gpu`: the engine at real model sizes on a GPU, against plain decoding and
+against the replay ideal.
+
+What it measures: a Llama-2-7B-shaped target (32 layers, width 4096, vocabulary 32000) with
+random bfloat16 weights and a 1-layer drafter of the same width, on two workloads: a text
+prompt (48-64 tokens) and a LLaVA-1.5-7B-shaped prompt (600-640 positions: LLaVA-1.5 puts 576
+image positions into the language model's context; the CLIP tower runs once per request at
+prefill and is not part of decoding, so the prompt here is token ids of that length).
+Random weights agree on nothing, so acceptance is forced (mmspec/bench/forced.py) to a
+profile: every position is draftable with probability `alpha`, by default fitted to the
+testbed VLM's ViSpec caption run (mean accepted length 3.46 at K = 5, `mmspec bench vlm`,
+benchmarks/results/vlm_cpu_epyc_s25.json), i.e. alpha = 0.775.
+
+Per workload, timed in interleaved rounds (medians, each call ending in a device sync):
+transformers' plain `generate`, mmspec plain (K = 0 through the same loop), mmspec with fixed
+K, mmspec `"auto"`, and the *ideal*: exactly the fixed-K run's model forwards replayed with no
+engine around them (mmspec/bench/core.py `_replay`); `efficiency = ideal / measured`. With
+`--compile` the first workload also runs the opt-in static path (`static=True`) and CUDA graphs
+(`compile="reduce-overhead"`) at fixed K. Every output is compared with `generate`'s greedy
+output (bfloat16: verify shapes differ from one-token decoding, so a near-tie can flip; the
+table says so per row rather than hiding it). A deadline (`--deadline-s`) skips what would
+not fit and says so. On a machine without CUDA it refuses `--device cuda`; `--shape tiny
+--device cpu` is a seconds-long smoke run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mmspec.bench.core import _interleaved, _prompts, _record_forwards, _replay
+
+SHAPES = {
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=256, max_position_embeddings=2048),
+}
+WORKLOADS = {"text": (48, 64), "llava": (600, 640)}  # prompt lengths (min, max)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def alpha_for(accepted_length: float, k: int) -> float:
+    """The per-position rate alpha whose K-token chains give this mean accepted length:
+    (1 - alpha^(K+1)) / (1 - alpha) = L (bisection; L in [1, K+1])."""
+    if not 1.0 <= accepted_length <= k + 1:
+        raise ValueError(f"a mean accepted length at K={k} lies in [1, {k + 1}], got {accepted_length}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(k + 1)) < accepted_length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def expected_length(alpha: float, k: int) -> float:
+    return sum(alpha**i for i in range(k + 1))
+
+
+@dataclass(frozen=True)
+class GpuBenchConfig:
+    shape: str = "llama-2-7b"
+    drafter_layers: int = 1
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    workloads: tuple[tuple[str, int], ...] = (("text", 1), ("text", 4), ("llava", 1))
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 5
+    max_draft_tokens: int = 8  # K_max of "auto"
+    alpha: float = round(alpha_for(3.462, 5), 4)
+    repeats: int = 3
+    compile: bool = False
+    stable_greedy: bool = True  # see _stable_greedy
+    deadline_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.shape not in SHAPES:
+            raise ValueError(f"unknown shape {self.shape!r}; choose from {sorted(SHAPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {sorted(DTYPES)}")
+        bad = [w for w, _ in self.workloads if w not in WORKLOADS]
+        if bad:
+            raise ValueError(f"unknown workloads {bad}; choose from {sorted(WORKLOADS)}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for but torch sees no CUDA device; use --device cpu --shape tiny "
+                             "for a smoke run here")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+        if min(self.repeats, self.max_new_tokens, self.num_draft_tokens, self.drafter_layers) < 1:
+            raise ValueError("repeats, max_new_tokens, num_draft_tokens and drafter_layers must be >= 1")
+
+
+def build_models(config: GpuBenchConfig):
+    """Target and drafter with random weights, created on the device in the bench dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(SHAPES[config.shape], bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    dtype = DTYPES[config.dtype]
+    models = []
+    for seed, layers in ((config.seed, shape["num_hidden_layers"]), (config.seed + 1, config.drafter_layers)):
+        torch.manual_seed(seed)
+        with torch.device(config.device):
+            model = LlamaForCausalLM._from_config(LlamaConfig(**dict(shape, num_hidden_layers=layers)), dtype=dtype)
+        model.eval()
+        model.generation_config.eos_token_id = None  # fixed-length generations
+        if config.stable_greedy:
+            _stable_greedy(model)
+        models.append(model)
+    return models
+
+
+@torch.no_grad()
+def _stable_greedy(model) -> None:
+    """Make the greedy continuation immune to rounding: the layers' output projections are
+    scaled by 1e-4 and the LM head is a copy of the embedding, so each position's hidden state
+    stays close to its token's embedding and the argmax (the same token again) wins by a
+    margin far above bfloat16 noise. Same shapes, same kernels, random non-zero data: the cost
+    of a forward is unchanged, while a verify of K+1 tokens and a one-token step now agree on
+    every argmax (with plain random weights near-ties flip within a few tokens, and a forced
+    script built from `generate` stops matching the run)."""
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.mul_(1e-4)
+        layer.mlp.down_proj.weight.mul_(1e-4)
+    model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+
+
+def _synced(fn, device):
+    if torch.device(device).type != "cuda":
+        return fn
+
+    def call():
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    return call
+
+
+def _workload(config, target, drafter, name, B, progress, compile_rows):
+    import mmspec
+    from mmspec.bench.forced import ForcedDrafter, scripted_tokens
+    from mmspec.drafters import ModelDrafter, NullDrafter
+    from mmspec.models.hf_target import HFTarget
+
+    dev, N, K, V = config.device, config.max_new_tokens, config.num_draft_tokens, target.config.vocab_size
+    ids, mask = _prompts(B, WORKLOADS[name], V, seed=config.seed + B)
+    ids, mask = ids.to(dev), mask.to(dev)
+    L = ids.shape[1]
+    gen = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
+    with torch.no_grad():
+        ref = target.generate(**gen)
+    script = scripted_tokens(ref[:, L:], config.alpha, V, extra=config.max_draft_tokens + 2, seed=config.seed)
+    tgt = HFTarget(target)  # built once, reused by every call (the wrap is paid once)
+    drafters = {"fixed": ModelDrafter(drafter, K), "auto": ModelDrafter(drafter, "auto", max_draft_tokens=config.max_draft_tokens)}
+    args = dict(temperature=0, max_new_tokens=N, pad_token_id=0)
+
+    def spec(t, d):
+        return lambda: mmspec.speculative_generate(t, d() if callable(d) else d, ids, mask, **args)
+
+    methods = {
+        "generate": lambda: target.generate(**gen),
+        "mmspec plain": spec(tgt, NullDrafter(V)),
+        f"mmspec K={K}": spec(tgt, lambda: ForcedDrafter(drafters["fixed"], script)),
+        "mmspec auto": spec(tgt, lambda: ForcedDrafter(drafters["auto"], script)),
+    }
+    if compile_rows:
+        for label, opts in (("static", dict(static=True)), ("cuda graphs", dict(compile="reduce-overhead"))):
+            t_c, d_c = HFTarget(target, **opts), ModelDrafter(drafter, K, **opts)
+            methods[f"mmspec K={K} {label}"] = spec(t_c, lambda d_c=d_c: ForcedDrafter(d_c, script))
+    _, log = _record_forwards(methods[f"mmspec K={K}"], {"target": target, "drafter": drafter})
+    methods["ideal"] = _replay({"target": target, "drafter": drafter}, ids, mask, log)
+    methods = {k: _synced(v, dev) for k, v in methods.items()}
+    progress(f"{name} B={B}: prompt {L} positions, {N} new tokens, {', '.join(methods)} interleaved, "
+             f"{config.repeats} rounds ...")
+    with torch.no_grad():
+        times, outs = _interleaved(methods, config.repeats)
+    rows = []
+    for method, t in times.items():
+        out = outs[method]
+        stats = getattr(out, "stats", None)
+        row = {"workload": name, "batch": B, "prompt_positions": L, "method": method, "seconds": round(t, 4),
+               "tokens_per_s": round(B * N / t, 1), "speedup_vs_generate": round(times["generate"] / t, 3),
+               "speedup_vs_mmspec_plain": round(times["mmspec plain"] / t, 3)}
+        if method == "ideal":
+            row["efficiency_of_fixed_k"] = round(t / times[f"mmspec K={K}"], 3)
+        elif method != "generate":
+            row["identical_to_generate"] = bool(torch.equal(out.sequences, ref))
+            if stats is not None and method != "mmspec plain":
+                row["mean_accepted_length"] = round(stats.mean_accepted_length, 3)
+                row["mean_k"] = round(stats.drafted_nodes / max(stats.row_steps, 1), 2)
+                row["verify_forwards"] = stats.target_calls
+                if "auto" not in method:
+                    row["expected_accepted_length"] = round(expected_length(config.alpha, K), 3)
+                    row["efficiency"] = round(times["ideal"] / t, 3)
+        rows.append(row)
+    return rows
+
+
+def run(config: GpuBenchConfig, progress=print, json_path: str | None = None) -> dict:
+    """Rows per workload and method; with `json_path` the report is rewritten after every
+    workload, so a run cut short keeps what it measured."""
+    import transformers
+
+    start = time.perf_counter()
+    info = {"device": (torch.cuda.get_device_name(torch.device(config.device)) if config.device.startswith("cuda")
+                       else "cpu"),
+            "torch": torch.__version__, "transformers": transformers.__version__, "alpha": config.alpha,
+            "profile": "positions draftable with probability alpha, fitted to the testbed VLM's ViSpec captions "
+                       "(mean accepted length 3.46 at K=5)"}
+    target, drafter = build_models(config)
+    info["target_params_M"] = round(sum(p.numel() for p in target.parameters()) / 1e6, 1)
+    info["drafter_params_M"] = round(sum(p.numel() for p in drafter.parameters()) / 1e6, 1)
+    info["build_seconds"] = round(time.perf_counter() - start, 1)
+    progress(f"{info['device']}: target {info['target_params_M']}M, drafter {info['drafter_params_M']}M params "
+             f"({config.dtype}, random weights), alpha {config.alpha}")
+    report = {"info": info, "config": asdict(config), "rows": [], "skipped": []}
+    for i, (name, B) in enumerate(config.workloads):
+        elapsed = time.perf_counter() - start
+        if config.deadline_s is not None and elapsed > config.deadline_s:
+            report["skipped"].append({"workload": name, "batch": B, "why": f"deadline ({elapsed:.0f} s elapsed)"})
+            progress(f"skipped {name} B={B}: past the deadline")
+            continue
+        try:
+            report["rows"] += _workload(config, target, drafter, name, B, progress, config.compile and i == 0)
+        except Exception as e:  # report and go on: one failing workload must not lose the others' figures
+            report["skipped"].append({"workload": name, "batch": B, "why": f"{type(e).__name__}: {e}"[:500]})
+            progress(f"FAILED {name} B={B}: {type(e).__name__}: {e}")
+        report["info"]["seconds"] = round(time.perf_counter() - start, 1)
+        progress(format_table(report))
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'workload':<8} {'B':>2} {'method':<26} {'tok/s':>8} {'vs gen':>7} {'vs plain':>8} {'acc.len':>7} "
+            f"{'expect':>6} {'mean K':>6} {'effic.':>6} {'same':>5}")
+    lines = [f"device: {report['info']['device']} (torch {report['info']['torch']}, transformers "
+             f"{report['info']['transformers']})", head, "-" * len(head)]
+    for r in report["rows"]:
+        eff = r.get("efficiency", r.get("efficiency_of_fixed_k"))
+        same = r.get("identical_to_generate")
+        lines.append(
+            f"{r['workload']:<8} {r['batch']:>2} {r['method']:<26} {r['tokens_per_s']:>8.1f} {r['speedup_vs_generate']:>6.2f}x "
+            f"{r['speedup_vs_mmspec_plain']:>7.2f}x {r.get('mean_accepted_length', ''):>7} "
+            f"{r.get('expected_accepted_length', ''):>6} {r.get('mean_k', ''):>6} "
+            f"{format(eff, '.0%') if eff else '':>6} {'' if same is None else 'yes' if same else 'NO':>5}")
+    for s in report.get("skipped", []):
+        lines.append(f"skipped {s['workload']} B={s['batch']}: {s['why']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """`mmspec bench gpu [options]`."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="mmspec bench gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="llama-2-7b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--workloads", default="text:1,text:4,llava:1", help="comma-separated NAME:BATCH")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-draft-tokens", type=int, default=5)
+    p.add_argument("--alpha", type=float, default=None, help="per-position acceptance (default: the testbed fit)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="also static and CUDA-graph rows on the first workload")
+    p.add_argument("--plain-random", action="store_true",
+                   help="leave the random weights as drawn (greedy near-ties may flip; see _stable_greedy)")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no workload after this many seconds")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    try:
+        workloads = tuple((w.split(":")[0], int(w.split(":")[1])) for w in a.workloads.split(","))
+        kw = {} if a.alpha is None else {"alpha": a.alpha}
+        config = GpuBenchConfig(shape=a.shape, device=a.device, dtype=a.dtype, workloads=workloads,
+                                max_new_tokens=a.max_new_tokens, num_draft_tokens=a.num_draft_tokens,
+                                repeats=a.repeats, compile=a.compile, deadline_s=a.deadline_s,
+                                stable_greedy=not a.plain_random, **kw)
+    except (ValueError, IndexError) as e:
+        raise SystemExit(f"mmspec bench gpu: {e}") from None
+
+    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True), json_path=a.json)
+    print(format_table(report))
+    if a.json:
+        print(f"wrote {a.json}")
+    return 0

@@ -1,0 +1,123 @@
+"""The forced-acceptance drafter and the real-size GPU bench (mmspec/bench/forced.py, gpu.py), on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.bench.forced import ForcedDrafter, scripted_tokens
+from mmspec.bench.gpu import GpuBenchConfig, alpha_for, build_models, expected_length, run
+from mmspec.drafters import ModelDrafter
+
+from conftest import left_padded, noisy_copy, tiny_llama
+
+N = 24
+
+
+def _forced_run(alpha, k=4, n=N, rows=(9, 5, 7, 3), seed=0):
+    target = tiny_llama(layers=2, seed=0)
+    drafter = noisy_copy(target, 0.3)
+    ids, mask = left_padded(list(rows))
+    target.generation_config.eos_token_id = None
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0)
+    script = scripted_tokens(ref[:, ids.shape[1]:], alpha, target.config.vocab_size, extra=k + 2, seed=seed)
+    out = mmspec.speculative_generate(target, ForcedDrafter(ModelDrafter(drafter, k), script), ids, mask,
+                                      temperature=0, max_new_tokens=n, pad_token_id=0)
+    return out, ref
+
+
+def test_every_draft_is_accepted_at_alpha_one_and_the_output_stays_the_targets():
+    K, rows = 4, 4
+    out, ref = _forced_run(1.0, k=K)
+    assert torch.equal(out.sequences, ref)
+    # After the prefill's token, each step emits K accepted drafts + 1: N - 1 tokens take
+    # ceil((N-1)/(K+1)) steps, and every draft that lies within the N tokens is accepted (the
+    # script is wrong past the end).
+    full, rest = divmod(N - 1, K + 1)
+    assert out.stats.target_calls == full + (rest > 0)
+    assert out.stats.verified_accepted == rows * (full * K + min(K, rest))
+
+
+def test_no_draft_is_accepted_at_alpha_zero_and_the_output_stays_the_targets():
+    out, ref = _forced_run(0.0)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.verified_accepted == 0
+    assert out.stats.mean_accepted_length == 1.0
+
+
+def test_first_draft_acceptance_follows_alpha():
+    """Each step's first draft probes a fresh position of the script, so its acceptance is
+    Bernoulli(alpha): the realised rate lies within 4 standard errors (n row-steps); 0.3 and
+    0.7 are 0.4 apart, far beyond that tolerance (power)."""
+    rates = {}
+    for alpha in (0.3, 0.7):
+        out, ref = _forced_run(alpha, k=3, n=120, rows=(9, 5, 7, 3, 6, 8), seed=1)
+        assert torch.equal(out.sequences, ref)
+        n = out.stats.row_steps
+        rate = out.stats.acceptance_rate_per_position[0]
+        tol = 4 * math.sqrt(alpha * (1 - alpha) / n)
+        assert abs(rate - alpha) < tol, (alpha, rate, n)
+        assert tol < 0.2
+        rates[alpha] = rate
+    assert rates[0.7] - rates[0.3] > 0.2
+
+
+def test_forced_drafter_refuses_what_it_cannot_script():
+    target = tiny_llama(layers=1, seed=0)
+    script = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="chains only"):
+        ForcedDrafter(ModelDrafter(target, tree=mmspec.TreeConfig(depth=2, top_k=2, num_nodes=3)), script)
+    ids, mask = left_padded([5])
+    with pytest.raises(ValueError, match="greedy"):
+        mmspec.speculative_generate(target, ForcedDrafter(ModelDrafter(target, 2), script), ids, mask,
+                                    temperature=1.0, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="alpha"):
+        scripted_tokens(script, 1.5, 40, extra=2)
+
+
+def test_alpha_fit_inverts_the_expected_accepted_length():
+    for a, k in ((0.3, 2), (0.775, 5), (0.9, 8)):
+        assert alpha_for(expected_length(a, k), k) == pytest.approx(a, abs=1e-9)
+    assert expected_length(0.0, 5) == 1.0 and expected_length(1.0, 5) == 6.0
+    assert 0.76 < alpha_for(3.462, 5) < 0.78  # the testbed profile
+    with pytest.raises(ValueError):
+        alpha_for(7.0, 5)
+
+
+def test_stable_greedy_weights_repeat_the_last_token_with_a_wide_margin():
+    """The bench's weights make greedy decoding immune to rounding: the continuation is the
+    last prompt token again, and its logit leads the runner-up by far more than bf16 noise."""
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 1),))
+    target, _ = build_models(cfg)
+    ids = torch.tensor([[5, 17, 42, 99]])
+    logits = target(input_ids=ids).logits[0, -1]
+    top2 = logits.topk(2).values
+    assert logits.argmax().item() == 99
+    assert (top2[0] - top2[1]).item() > 0.2 * top2[0].abs().item()
+    out = target.generate(input_ids=ids, do_sample=False, max_new_tokens=6, pad_token_id=0)
+    assert out[0, 4:].tolist() == [99] * 6
+
+
+def test_gpu_bench_runs_on_a_tiny_shape_on_cpu():
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 2),), max_new_tokens=16,
+                         repeats=1)
+    report = run(cfg, progress=lambda m: None)
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"generate", "mmspec plain", "mmspec K=5", "mmspec auto", "ideal"}
+    assert all(r["identical_to_generate"] for m, r in rows.items() if m.startswith("mmspec"))
+    assert rows["mmspec K=5"]["mean_accepted_length"] > 1.5  # the forced profile, not random agreement
+    assert 0 < rows["mmspec K=5"]["efficiency"]
+    assert not report["skipped"]
+
+
+def test_gpu_bench_refuses_unknown_options():
+    with pytest.raises(ValueError, match="shape"):
+        GpuBenchConfig(shape="llama-70b", device="cpu")
+    with pytest.raises(ValueError, match="workloads"):
+        GpuBenchConfig(shape="tiny", device="cpu", workloads=(("video", 1),))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            GpuBenchConfig(device="cuda")
