@@ -3,7 +3,8 @@
 #   1. tests/test_core_cuda.py (greedy equality on CUDA: eager, static, CUDA graphs; chains and trees),
 #   2. `mmspec bench gpu` on the text workload at batch 1 (Llama-2-7B shapes, random bf16 weights,
 #      forced acceptance) with the static and CUDA-graph rows,
-#   3. with the time left, the LLaVA-1.5-7B-shaped workload at batch 1 and the text one at batch 4.
+#   3. with the time left, the LLaVA-1.5-7B-shaped workload at batch 1 and the text one at batch 4,
+#   4. and a diagnostic for `auto`'s slow steps on the GPU: text at batch 1 with cuDNN's attention off.
 # Usage (repository root): bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
 # SECONDS (default 540) bounds the whole script; each step gets what is left. Figures and logs go
 # to OUTDIR. A `.whl/` folder of wheels (e.g. the transformers version mmspec is tested on) is
@@ -38,4 +39,7 @@ bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:1 -
 echo "== bench gpu: the other workloads, as time allows ($(left) s left)"
 bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads llava:1,text:4 --repeats 2 --deadline-s 20 \
   --json "$OUT/bench_gpu_more.json" 2>&1 | tee "$OUT/bench_gpu_more.log"
+echo "== diagnostic: text B=1 without cuDNN attention (auto vs fixed K), as time allows ($(left) s left)"
+bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1 --repeats 2 --no-cudnn-attention \
+  --json "$OUT/bench_gpu_no_cudnn.json" 2>&1 | tee "$OUT/bench_gpu_no_cudnn.log"
 echo "== done ($(left) s left)"

@@ -76,6 +76,7 @@ class GpuBenchConfig:
     repeats: int = 3
     compile: bool = False
     stable_greedy: bool = True  # see _stable_greedy
+    cudnn_attention: bool = True  # False: torch.backends.cuda.enable_cudnn_sdp(False) for the run
     deadline_s: float | None = None
     seed: int = 0
 
@@ -207,9 +208,16 @@ def run(config: GpuBenchConfig, progress=print, json_path: str | None = None) ->
     import transformers
 
     start = time.perf_counter()
+    cuda = config.device.startswith("cuda")
+    if cuda and not config.cudnn_attention:
+        # A diagnostic switch: `auto` varies the verify's query length from request to request,
+        # and a per-shape setup cost in an attention backend would hit it (docs/architecture.md).
+        torch.backends.cuda.enable_cudnn_sdp(False)
     info = {"device": (torch.cuda.get_device_name(torch.device(config.device)) if config.device.startswith("cuda")
                        else "cpu"),
             "torch": torch.__version__, "transformers": transformers.__version__, "alpha": config.alpha,
+            "sdpa_backends": ({name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
+                               for name in ("flash", "mem_efficient", "cudnn", "math")} if cuda else None),
             "profile": "positions draftable with probability alpha, fitted to the testbed VLM's ViSpec captions "
                        "(mean accepted length 3.46 at K=5)"}
     target, drafter = build_models(config)
@@ -273,6 +281,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compile", action="store_true", help="also static and CUDA-graph rows on the first workload")
     p.add_argument("--plain-random", action="store_true",
                    help="leave the random weights as drawn (greedy near-ties may flip; see _stable_greedy)")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="disable cuDNN's scaled-dot-product attention for the run (a diagnostic)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no workload after this many seconds")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -282,7 +292,8 @@ def main(argv: list[str]) -> int:
         config = GpuBenchConfig(shape=a.shape, device=a.device, dtype=a.dtype, workloads=workloads,
                                 max_new_tokens=a.max_new_tokens, num_draft_tokens=a.num_draft_tokens,
                                 repeats=a.repeats, compile=a.compile, deadline_s=a.deadline_s,
-                                stable_greedy=not a.plain_random, **kw)
+                                stable_greedy=not a.plain_random,
+                                cudnn_attention=not a.no_cudnn_attention, **kw)
     except (ValueError, IndexError) as e:
         raise SystemExit(f"mmspec bench gpu: {e}") from None
 
