@@ -169,6 +169,21 @@ def test_bundled_vlm_has_a_real_processor_and_its_drafters():
     assert spec.sequences[0].tolist() == plain.sequences[0].tolist()
 
 
+@pytest.mark.skipif(not (BUNDLED / "model_index.json").is_file(), reason="no bundled VLM in this checkout")
+def test_bundled_vlm_was_trained_with_the_default_recipe():
+    """The bundle's recorded settings are `train-vlm`'s defaults (threads and the progress bar
+    aside), so `mmspec testbed train-vlm --out DIR` is its recipe."""
+    import dataclasses
+
+    from mmspec.testbed.vlm_train import VLMTrainConfig
+
+    recorded = json.loads((BUNDLED / "metrics.json").read_text())["config"]
+    defaults = dataclasses.asdict(VLMTrainConfig())
+    differ = {k: (recorded.get(k), v) for k, v in defaults.items()
+              if k not in ("threads", "progress") and recorded.get(k) != v}
+    assert not differ, differ
+
+
 def test_tower_labels_match_the_rendered_scene():
     """Object coverage read off the geometry: a patch fully covered by the main object (drawn last)
     shows exactly its colour in the rendered image, the main object's coverage adds up to its area,
@@ -252,7 +267,7 @@ def test_train_vlm_full_strategy_keeps_cls_as_a_visual_token(tmp_path, strategy,
     from mmspec.testbed.vlm_tower import TowerHeads
     from mmspec.testbed.vlm_train import VLMTrainConfig
 
-    assert VLMTrainConfig().vision_feature_select_strategy == "full" and VLMTrainConfig().lm_exists_fraction == 0.5
+    assert VLMTrainConfig().vision_feature_select_strategy == "full" and VLMTrainConfig().lm_exists_fraction == 0.8
     assert VLMTrainConfig(vision_feature_select_strategy=strategy).num_visual_tokens == tokens
     with pytest.raises(ValueError, match="vision_feature_select_strategy"):
         VLMTrainConfig(vision_feature_select_strategy="cls")

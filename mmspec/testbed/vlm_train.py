@@ -83,7 +83,7 @@ class VLMTrainConfig:
     threads: int = 1
     device: str = "cpu"
     # data
-    n_train: int = 36000
+    n_train: int = 108000  # session 27 (36000 until then): the tower overfit 36000 scenes (assets/testbed/README.md)
     n_val: int = 200
     image_size: int = 64  # processor crop; the scenes are rendered at this size (no resampling)
     patch_size: int = 8
@@ -108,7 +108,9 @@ class VLMTrainConfig:
     lm_batch: int = 32
     lm_lr: float = 2e-3
     lm_shape_weight: float = 1.0  # loss weight of shape-word targets in the LM stage
-    lm_exists_fraction: float = 0.5  # share of the LM stage's Q/A examples drawn from existence questions (0 = all alike)
+    # share of the LM stage's Q/A examples drawn from existence questions (0 = all alike); 0.8 since
+    # session 27 (0.5 before): at 0.5 the LM over the 108000-scene tower stayed on the answer-"yes" plateau
+    lm_exists_fraction: float = 0.8
     lm_tower_layers: int = 0  # last tower layers trained in the LM stage (0 = tower frozen)
     lm_tower_lr_scale: float = 0.25  # their learning rate relative to lm_lr
     warmup: int = 60
