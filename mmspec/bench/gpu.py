@@ -155,7 +155,7 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
     gen = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
     with torch.no_grad():
         ref = target.generate(**gen)
-    script = scripted_tokens(ref[:, L:], config.alpha, V, extra=config.max_draft_tokens + 2, seed=config.seed)
+    script = scripted_tokens(ref[:, L:], config.alpha, V, extra=max(config.max_draft_tokens, K) + 2, seed=config.seed)
     tgt = HFTarget(target)  # built once, reused by every call (the wrap is paid once)
     drafters = {"fixed": ModelDrafter(drafter, K), "auto": ModelDrafter(drafter, "auto", max_draft_tokens=config.max_draft_tokens)}
     args = dict(temperature=0, max_new_tokens=N, pad_token_id=0)
