@@ -15,10 +15,16 @@ from mmspec.cli import main
 def test_bench_vlm_variants(tmp_path):
     cfg = VLMBenchConfig(num_scenes=2, batch_sizes=(2,), drafters=("vispec",), tasks=("caption",), max_new_tokens=8,
                          repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 4), tree=(3, 2, 4),
-                         tree_drafters=("vispec",), auto_drafters=("vispec",), auto_max_draft_tokens=3)
+                         tree_drafters=("vispec",), auto_drafters=("vispec",), auto_max_draft_tokens=3,
+                         draft_lengths=(2, 5))
     report = run(cfg)
     (rows,) = [r["methods"] for r in report["runs"]]
-    assert list(rows) == ["plain", "generate", "vispec", "vispec+tree", "vispec+auto"]
+    # the bundled ViSpec drafter is saved with K = 5: that chain is row "vispec", not repeated
+    assert report["model"]["num_draft_tokens"]["vispec"] == 5
+    assert list(rows) == ["plain", "generate", "vispec", "vispec+tree", "vispec+auto", "vispec+k2"]
+    assert report["model"]["num_draft_tokens"]["vispec+k2"] == 2 and report["model"]["trees"]["vispec+k2"] is None
+    # a chain of 2 drafts at most 2 tokens per target forward: at most 3 tokens per forward, bonus included
+    assert 1.0 < rows["vispec+k2"]["mean_accepted_length"] <= 3.0
     # transformers' own generate (the peer row) answers exactly like mmspec's plain decoding
     assert all(r["identical_to_plain"] for r in rows.values())
     assert rows["plain"]["mean_accepted_length"] == 1.0 == rows["generate"]["mean_accepted_length"]
@@ -31,3 +37,8 @@ def test_bench_vlm_variants(tmp_path):
 def test_bench_vlm_refuses_unknown_variant_drafters():
     with pytest.raises(SystemExit, match="auto drafters \\['nope'\\]"):
         main(["bench", "vlm", "--num-scenes", "1", "--drafters", "vispec", "--auto-drafters", "nope"])
+    with pytest.raises(SystemExit, match="length drafters \\['nope'\\]"):
+        main(["bench", "vlm", "--num-scenes", "1", "--drafters", "vispec", "--draft-lengths", "3",
+              "--length-drafters", "nope"])
+    with pytest.raises(SystemExit, match="draft_lengths must be ints >= 1"):
+        main(["bench", "vlm", "--num-scenes", "1", "--draft-lengths", "0,3"])

@@ -53,6 +53,10 @@ class VLMBenchConfig:
     # also run these drafters with num_draft_tokens="auto" (K picked per step, "<name>+auto")
     auto_drafters: tuple[str, ...] = ()
     auto_max_draft_tokens: int = 6
+    # also run these drafters with each of these fixed chain lengths ("<name>+k<K>"): how much the
+    # saved K leaves on the table, measured in the same run
+    draft_lengths: tuple[int, ...] = ()
+    length_drafters: tuple[str, ...] = ()  # () = every drafter benchmarked
     generate: bool = True  # also time transformers' own greedy `generate` (row "generate", the peer)
 
     def __post_init__(self):
@@ -65,6 +69,8 @@ class VLMBenchConfig:
             raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {self.tasks}")
         if self.tree is not None and (len(self.tree) != 3 or min(self.tree) < 1):
             raise ValueError(f"tree must be three ints >= 1 (depth, top_k, num_nodes), got {self.tree}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.draft_lengths):
+            raise ValueError(f"draft_lengths must be ints >= 1, got {self.draft_lengths}")
         if 1 not in self.verify_widths:
             raise ValueError("verify_widths must include 1 (the one-token forward every ratio is taken against)")
 
@@ -98,6 +104,12 @@ def _variant(pipe, name: str, suffix: str, **changes) -> str:
     torch.nn.Module.to(variant, pipe.target.dtype)
     pipe.add_drafter(f"{name}+{suffix}", variant, active=False)
     return f"{name}+{suffix}"
+
+
+def length_variant(pipe, name: str, k: int) -> str:
+    """Register `<name>+k<K>`: the saved drafter `name` (same weights) drafting chains of K."""
+    return _variant(pipe, name, f"k{k}", num_draft_tokens=k, max_draft_tokens=None, tree_depth=0, tree_top_k=0,
+                    tree_num_nodes=0)
 
 
 def tree_variant(pipe, name: str, tree: tuple[int, int, int]) -> str:
@@ -219,6 +231,13 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
     if bad:
         raise ValueError(f"auto drafters {bad} are not among the benchmarked drafters {names}")
     methods += [auto_variant(pipe, n, cfg.auto_max_draft_tokens) for n in cfg.auto_drafters]
+    bad = [n for n in cfg.length_drafters if n not in names]
+    if bad:
+        raise ValueError(f"length drafters {bad} are not among the benchmarked drafters {names}")
+    for n in (cfg.length_drafters or names) if cfg.draft_lengths else ():
+        comp = pipe.drafters[n].config
+        saved = None if comp.tree_depth else comp.num_draft_tokens  # a chain of the saved K is row <name>
+        methods += [length_variant(pipe, n, k) for k in cfg.draft_lengths if k != saved]
     from mmspec.testbed.vlm_eval import scene_size
 
     scenes = World(seed=cfg.seed, split="validation", image_size=scene_size(pipe.processor)).sample(cfg.num_scenes)
@@ -366,6 +385,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--auto-drafters", type=names, default=(),
                    help="also run these drafters with the adaptive draft length (method <name>+auto)")
     p.add_argument("--auto-max-draft-tokens", type=int, default=6, help="largest K of the +auto variants (default 6)")
+    p.add_argument("--draft-lengths", type=ints, default=(),
+                   help="also run the drafters with each of these fixed chain lengths (method <name>+k<K>)")
+    p.add_argument("--length-drafters", type=names, default=(),
+                   help="drafters to run with --draft-lengths (default: all)")
     p.add_argument("--no-generate", action="store_true", help="do not time transformers' own generate beside plain")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     a = p.parse_args(argv)
@@ -374,7 +397,8 @@ def main(argv: list[str]) -> int:
                                 drafters=a.drafters, tasks=a.tasks, max_new_tokens=a.max_new_tokens,
                                 repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree,
                                 tree_drafters=a.tree_drafters, auto_drafters=a.auto_drafters,
-                                auto_max_draft_tokens=a.auto_max_draft_tokens, generate=not a.no_generate)
+                                auto_max_draft_tokens=a.auto_max_draft_tokens, draft_lengths=a.draft_lengths,
+                                length_drafters=a.length_drafters, generate=not a.no_generate)
         report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None
