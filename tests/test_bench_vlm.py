@@ -42,3 +42,11 @@ def test_bench_vlm_refuses_unknown_variant_drafters():
               "--length-drafters", "nope"])
     with pytest.raises(SystemExit, match="draft_lengths must be ints >= 1"):
         main(["bench", "vlm", "--num-scenes", "1", "--draft-lengths", "0,3"])
+    with pytest.raises(SystemExit, match="draft_lengths lists an entry twice"):
+        main(["bench", "vlm", "--num-scenes", "1", "--draft-lengths", "8,8"])
+    with pytest.raises(SystemExit, match="auto_drafters lists an entry twice"):
+        main(["bench", "vlm", "--num-scenes", "1", "--auto-drafters", "vispec,vispec"])
+    with pytest.raises(SystemExit, match="length_drafters .* without draft_lengths"):
+        main(["bench", "vlm", "--num-scenes", "1", "--length-drafters", "vispec"])
+    with pytest.raises(SystemExit, match="tree_drafters .* without tree"):
+        main(["bench", "vlm", "--num-scenes", "1", "--tree-drafters", "vispec"])

@@ -71,6 +71,16 @@ class VLMBenchConfig:
             raise ValueError(f"tree must be three ints >= 1 (depth, top_k, num_nodes), got {self.tree}")
         if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.draft_lengths):
             raise ValueError(f"draft_lengths must be ints >= 1, got {self.draft_lengths}")
+        # a variant named twice would be registered (and timed) twice under one row name
+        for field in ("drafters", "draft_lengths", "tree_drafters", "auto_drafters", "length_drafters"):
+            values = getattr(self, field)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{field} lists an entry twice: {values}")
+        # a drafter list without its variant would be ignored
+        if self.tree_drafters and self.tree is None:
+            raise ValueError("tree_drafters (--tree-drafters) without tree (--tree DEPTH,TOP_K,NODES): pass both")
+        if self.length_drafters and not self.draft_lengths:
+            raise ValueError("length_drafters (--length-drafters) without draft_lengths (--draft-lengths K,...): pass both")
         if 1 not in self.verify_widths:
             raise ValueError("verify_widths must include 1 (the one-token forward every ratio is taken against)")
 
@@ -222,18 +232,13 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
     if unknown:
         raise ValueError(f"drafters {unknown} are not saved with {cfg.model}; it has {sorted(pipe.drafters)}")
     methods = ["plain"] + ([GENERATE] if cfg.generate else []) + names
-    if cfg.tree is not None:
-        bad = [n for n in cfg.tree_drafters if n not in names]
+    for kind, chosen in (("tree", cfg.tree_drafters), ("auto", cfg.auto_drafters), ("length", cfg.length_drafters)):
+        bad = [n for n in chosen if n not in names]
         if bad:
-            raise ValueError(f"tree drafters {bad} are not among the benchmarked drafters {names}")
+            raise ValueError(f"{kind} drafters {bad} are not among the benchmarked drafters {names}")
+    if cfg.tree is not None:
         methods += [tree_variant(pipe, n, cfg.tree) for n in (cfg.tree_drafters or names)]
-    bad = [n for n in cfg.auto_drafters if n not in names]
-    if bad:
-        raise ValueError(f"auto drafters {bad} are not among the benchmarked drafters {names}")
     methods += [auto_variant(pipe, n, cfg.auto_max_draft_tokens) for n in cfg.auto_drafters]
-    bad = [n for n in cfg.length_drafters if n not in names]
-    if bad:
-        raise ValueError(f"length drafters {bad} are not among the benchmarked drafters {names}")
     for n in (cfg.length_drafters or names) if cfg.draft_lengths else ():
         comp = pipe.drafters[n].config
         saved = None if comp.tree_depth else comp.num_draft_tokens  # a chain of the saved K is row <name>
