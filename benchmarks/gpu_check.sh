@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, for a machine with one NVIDIA GPU and no network:
-#   1. tests/test_core_cuda.py (greedy equality on CUDA: eager, static, CUDA graphs; chains and trees),
-#   2. `mmspec bench gpu` on the text workload at batch 1 (Llama-2-7B shapes, random bf16 weights,
-#      forced acceptance) with the static and CUDA-graph rows,
-#   3. with the time left, the LLaVA-1.5-7B-shaped workload at batch 1 and the text one at batch 4,
-#   4. and a diagnostic for `auto`'s slow steps on the GPU: text at batch 1 with cuDNN's attention off.
+#   1. what one attention call costs on a never-seen shape per backend (benchmarks/sdpa_fresh_shapes.py),
+#   2. tests/test_core_cuda.py (greedy equality on CUDA: eager, static, CUDA graphs; chains and trees;
+#      the attention-backend choice),
+#   3. `mmspec bench gpu` on the text and LLaVA-shaped workloads at batch 1 (Llama-2-7B shapes, random
+#      bf16 weights, forced acceptance, a fresh prompt per call) with mmspec's and torch's attention choice,
+#   4. with the time left, text at batch 1 with one prompt for every call (the pre-session-29 bench,
+#      whose repeated shapes hide per-shape attention plans) and text at batch 4.
 # Usage (repository root): bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
 # SECONDS (default 540) bounds the whole script; each step gets what is left. Figures and logs go
 # to OUTDIR. A `.whl/` folder of wheels (e.g. the transformers version mmspec is tested on) is
@@ -29,17 +31,19 @@ cd /tmp  # so that the checkout's mmspec/ folder does not shadow the installed p
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.txt"
 python3 -c "import torch, transformers, mmspec; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$OUT/versions.txt"
 
+echo "== attention on fresh shapes, per backend ($(left) s left)"
+bounded 60 python3 "$ROOT/benchmarks/sdpa_fresh_shapes.py" --json "$OUT/sdpa_fresh_shapes.json" 2>&1 | tee "$OUT/sdpa_fresh_shapes.log"
+
 echo "== tests/test_core_cuda.py ($(left) s left)"
-bounded $(( $(left) > 200 ? 150 : $(left) - 40 )) python3 -m pytest -q -p no:cacheprovider -rA "$ROOT/tests/test_core_cuda.py" 2>&1 | tee "$OUT/test_core_cuda.log"
+bounded $(( $(left) > 200 ? 150 : $(left) - 40 )) python3 -m pytest -q -s -p no:cacheprovider -rA "$ROOT/tests/test_core_cuda.py" 2>&1 | tee "$OUT/test_core_cuda.log"
 
-echo "== bench gpu: text B=1 with the static and CUDA-graph rows ($(left) s left)"
-bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:1 --compile --repeats 2 \
-  --json "$OUT/bench_gpu_text1.json" 2>&1 | tee "$OUT/bench_gpu_text1.log"
+echo "== bench gpu: text and llava at B=1, a fresh prompt per call, mmspec's and torch's attention choice ($(left) s left)"
+bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:1,llava:1 --repeats 2 \
+  --json "$OUT/bench_gpu_b1.json" 2>&1 | tee "$OUT/bench_gpu_b1.log"
 
-echo "== bench gpu: the other workloads, as time allows ($(left) s left)"
-bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads llava:1,text:4 --repeats 2 --deadline-s 20 \
-  --json "$OUT/bench_gpu_more.json" 2>&1 | tee "$OUT/bench_gpu_more.log"
-echo "== diagnostic: text B=1 without cuDNN attention (auto vs fixed K), as time allows ($(left) s left)"
-bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1 --repeats 2 --no-cudnn-attention \
-  --json "$OUT/bench_gpu_no_cudnn.json" 2>&1 | tee "$OUT/bench_gpu_no_cudnn.log"
+echo "== bench gpu: text B=1 with one prompt for every call (as before session 29), and text B=4 ($(left) s left)"
+bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1 --repeats 2 --same-prompt --deadline-s 20 \
+  --json "$OUT/bench_gpu_same_prompt.json" 2>&1 | tee "$OUT/bench_gpu_same_prompt.log"
+bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 \
+  --json "$OUT/bench_gpu_b4.json" 2>&1 | tee "$OUT/bench_gpu_b4.log"
 echo "== done ($(left) s left)"

@@ -83,7 +83,10 @@ class ModelDrafter:
     forward of a request has fixed shapes per kind (the catch-up forward padded to its longest
     case, one-token chain draft steps, `top_k`-token tree levels) over a `StaticKV`, and
     `compile` wraps them in `torch.compile(..., dynamic=False)`. Needs a fixed draft length or a
-    tree: with "auto", plain steps pile up pending tokens, so the catch-up has no bound."""
+    tree: with "auto", plain steps pile up pending tokens, so the catch-up has no bound.
+
+    `attention` ("auto", "torch"): on CUDA, which attention backends the eager forwards use
+    ("auto": measured on fresh shapes, mmspec/attention_choice.py; "torch": torch's choice)."""
 
     def __init__(
         self,
@@ -95,6 +98,7 @@ class ModelDrafter:
         prepack="auto",
         static: bool | None = None,
         compile=None,
+        attention: str = "auto",
     ):
         from mmspec.compiled import static_and_compile
 
@@ -138,7 +142,7 @@ class ModelDrafter:
                 f"TreeConfig.top_k={tree.top_k} exceeds the drafter's vocabulary of {self.vocab_size} tokens; "
                 f"use top_k <= {self.vocab_size}"
             )
-        self.runner = SpecRunner(spec, static=self.static, compile=compile_opts)
+        self.runner = SpecRunner(spec, static=self.static, compile=compile_opts, attention=attention)
         # Static query counts per forward kind: the catch-up runs the pending tokens (at most one
         # for a chain, the accepted path of at most `depth` nodes for a tree) and the root.
         self._catch_up_queries = None

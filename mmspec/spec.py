@@ -110,8 +110,15 @@ class SpecRunner:
     request; `compile` (torch.compile keywords, mmspec/compiled.py) then wraps the spec's
     step forward in `torch.compile(..., dynamic=False)`. Prefill stays eager."""
 
-    def __init__(self, spec: ForwardSpec, *, static: bool = False, compile: dict[str, Any] | None = None):
+    def __init__(self, spec: ForwardSpec, *, static: bool = False, compile: dict[str, Any] | None = None,
+                 attention: str = "auto"):
+        from mmspec.attention_choice import check_mode
+
         self.spec = spec
+        # CUDA eager forwards (prefill and steps): the attention backends measured fastest on fresh
+        # shapes (mmspec/attention_choice.py), resolved at prefill; None leaves torch's choice alone.
+        self.attention = check_mode(attention)
+        self._sdpa: list | None = None
         self.kv: RaggedKV | None = None
         self.features = FeatureRequest()
         self.static = static or compile is not None
@@ -148,7 +155,17 @@ class SpecRunner:
         else:
             self.kv = RaggedKV(self.spec.num_layers, attention_mask, max_slots)
         attention = self.kv.plan_prefill(attention_mask)
-        out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
+        if not self.static and input_ids.device.type == "cuda":
+            from mmspec.attention_choice import backends_for
+
+            self._sdpa = backends_for(self.spec, input_ids.device, self.spec.dtype, self.attention)
+        if self._sdpa is not None and input_ids.device.type == "cuda" and not self.static:
+            from torch.nn.attention import sdpa_kernel
+
+            with sdpa_kernel(self._sdpa):  # the prompt's length is a fresh shape too
+                out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
+        else:
+            out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
         self.kv.scrub_padding()
         if self.compile is not None:
             from mmspec.compiled import uses_cuda_graphs
@@ -170,6 +187,11 @@ class SpecRunner:
     ) -> SpecOutput:
         if not self.static:
             attention = self.kv.plan(depth, tree_visible, uncommitted, sees_region=sees_region)
+            if self._sdpa is not None and tokens.device.type == "cuda":
+                from torch.nn.attention import sdpa_kernel
+
+                with sdpa_kernel(self._sdpa):
+                    return self._step(tokens, attention, self.kv, self.features, last_only=last_only)
             return self._step(tokens, attention, self.kv, self.features, last_only=last_only)
         return self._static_forward(tokens, depth, tree_visible, uncommitted, last_only, queries)
 

@@ -51,17 +51,22 @@ class SpecTarget:
     such as "reduce-overhead", or a dict of torch.compile keywords such as
     `{"backend": "aot_eager"}`; mmspec/compiled.py) wraps the verify forward in
     `torch.compile(..., dynamic=False)` and turns static on. Both are opt-in GPU paths: on CPU
-    they make every step pay for the whole capacity."""
+    they make every step pay for the whole capacity.
+
+    `attention` ("auto" or "torch"): on CUDA, "auto" runs the eager step forwards under the
+    attention backends measured fastest on fresh shapes (mmspec/attention_choice.py: cuDNN
+    attention builds a plan per shape, and nearly every verify has a new one); "torch" leaves
+    torch's backend choice alone. Nothing changes on CPU."""
 
     supports_features = True
 
-    def __init__(self, spec: ForwardSpec, *, static: bool | None = None, compile: Any = None):
+    def __init__(self, spec: ForwardSpec, *, static: bool | None = None, compile: Any = None, attention: str = "auto"):
         from mmspec.compiled import static_and_compile
 
         self.spec = spec
         self.vocab_size = spec.vocab_size
         self.static, options = static_and_compile(static, compile)
-        self.runner = SpecRunner(spec, static=self.static, compile=options)
+        self.runner = SpecRunner(spec, static=self.static, compile=options, attention=attention)
         self.queries: int | None = None  # static: the fixed verify query count of the request
 
     def prefill(

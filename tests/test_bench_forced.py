@@ -121,3 +121,32 @@ def test_gpu_bench_refuses_unknown_options():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             GpuBenchConfig(device="cuda")
+
+
+def test_gpu_bench_gives_every_call_a_fresh_prompt():
+    """Fresh prompts: at batch 1 pairwise different lengths (so no call's attention shapes repeat
+    another's), the same prompt for every call with --same-prompt; each method's i-th call gets
+    prompt i, and the rows stay identical to generate on their own prompt."""
+    from mmspec.bench.gpu import _cycling, _prompt_set
+
+    fresh = _prompt_set(1, (48, 64), 100, seed=1, count=4)
+    assert len({ids.shape[1] for ids, _ in fresh}) == 4
+    assert all(48 <= ids.shape[1] <= 64 and bool(mask.all()) for ids, mask in fresh)
+    batch = _prompt_set(3, (48, 64), 100, seed=1, count=3)
+    assert not torch.equal(batch[0][0][:, -40:], batch[1][0][:, -40:])
+    seen = []
+    call = _cycling(lambda p: seen.append(p) or p, 3)
+    assert [call()[0] for _ in range(5)] == [0, 1, 2, 0, 1] == seen
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 1),), max_new_tokens=12,
+                         repeats=2)
+    rows = {r["method"]: r for r in run(cfg, progress=lambda m: None)["rows"]}
+    assert all(r["identical_to_generate"] for m, r in rows.items() if m.startswith("mmspec"))
+    assert cfg.fresh_prompts and cfg.attention_rows
+
+
+def test_gpu_bench_cli_flags(capsys):
+    from mmspec.bench.gpu import main
+
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--workloads", "text:1",
+                 "--max-new-tokens", "8", "--repeats", "1", "--same-prompt", "--no-attention-rows"]) == 0
+    assert "mmspec K=5" in capsys.readouterr().out

@@ -46,3 +46,32 @@ def test_static_and_compiled_greedy_equals_generate_on_cuda(tree, compile):
                                           eos_token_id=2)
         assert out.sequences.device.type == "cuda"
         assert torch.equal(out.sequences, ref)
+
+
+
+@pytest.mark.parametrize("attention", ["auto", "torch"])
+def test_attention_backend_choice_keeps_greedy_output_on_cuda(attention):
+    """The measured attention-backend choice (mmspec/attention_choice.py) on a real GPU: greedy
+    output stays generate's under either mode, and the measurement at a 7B model's head geometry
+    in bfloat16 (where cuDNN attention is eligible) runs, records its figures and restores the
+    caller's backend flags."""
+    import mmspec.attention_choice as ac
+    from mmspec.models.hf_target import HFTarget
+
+    target = tiny_llama(layers=2, seed=0, dtype=torch.float32).cuda()
+    drafter = noisy_copy(target, 0.3).cuda()
+    ids, mask = left_padded([9, 5, 7, 3])
+    ids, mask = ids.cuda(), mask.cuda()
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
+    out = mmspec.speculative_generate(HFTarget(target, attention=attention), ModelDrafter(drafter, 4, attention=attention),
+                                      ids, mask, temperature=0, max_new_tokens=20, pad_token_id=0, eos_token_id=2)
+    assert torch.equal(out.sequences, ref)
+    if attention == "auto":
+        flags = [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()]
+        choice = ac._measure(torch.device("cuda"), torch.bfloat16, 32, 32, 128)
+        assert [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()] == flags
+        record = choice["record"]
+        assert record["chosen"] in ("torch", "without_cudnn")
+        if "fresh_shape_ms" in record:
+            assert all(v > 0 for v in record["fresh_shape_ms"].values())
+        print("attention choice at 32 heads x 128, bfloat16:", record)

@@ -11,6 +11,15 @@ profile: every position is draftable with probability `alpha`, by default fitted
 testbed VLM's ViSpec caption run (mean accepted length 3.46 at K = 5, `mmspec bench vlm`,
 benchmarks/results/vlm_cpu_epyc_s25.json), i.e. alpha = 0.775.
 
+Every call decodes a fresh prompt (its own length and forced script; `--same-prompt`: one prompt
+for all, as before session 29): with one prompt repeated, backends that cache a plan per
+attention shape (cuDNN attention) pay it in the warm-up call only, which flatters a fixed K
+whose shapes repeat exactly and no real stream of prompts reproduces. References and the
+recorded forwards of the ideal run on the math backend, so no fused plan exists before the
+timed calls. On CUDA the fixed-K and `auto` rows also run with `attention="torch"` (torch's own
+backend choice) beside mmspec's measured one (mmspec/attention_choice.py); the report's
+`attention_choice` gives what was measured.
+
 Per workload, timed in interleaved rounds (medians, each call ending in a device sync):
 transformers' plain `generate`, mmspec plain (K = 0 through the same loop), mmspec with fixed
 K, mmspec `"auto"`, and the *ideal*: exactly the fixed-K run's model forwards replayed with no
@@ -25,6 +34,7 @@ not fit and says so. On a machine without CUDA it refuses `--device cuda`; `--sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -77,6 +87,8 @@ class GpuBenchConfig:
     compile: bool = False
     stable_greedy: bool = True  # see _stable_greedy
     cudnn_attention: bool = True  # False: torch.backends.cuda.enable_cudnn_sdp(False) for the run
+    fresh_prompts: bool = True  # a new prompt (length, script) per call: no call replays another's shapes
+    attention_rows: bool = True  # CUDA: fixed K and auto also with attention="torch"
     deadline_s: float | None = None
     seed: int = 0
 
@@ -142,47 +154,107 @@ def _synced(fn, device):
     return call
 
 
+def _prompt_set(B: int, lengths: tuple[int, int], vocab: int, seed: int, count: int) -> list:
+    """`count` prompts; at batch 1 of pairwise different lengths (while the range allows), so
+    no request's attention shapes repeat another's."""
+    if count == 1:
+        return [_prompts(B, lengths, vocab, seed=seed)]
+    span = lengths[1] - lengths[0] + 1
+    if B == 1 and count <= span:
+        g = torch.Generator().manual_seed(seed)
+        lens = (torch.randperm(span, generator=g)[:count] + lengths[0]).tolist()
+        return [_prompts(1, (n, n), vocab, seed=seed + 1 + i) for i, n in enumerate(lens)]
+    return [_prompts(B, lengths, vocab, seed=seed + 7919 * i) for i in range(count)]
+
+
+def _cycling(fn, count: int):
+    """A zero-argument method for `_interleaved` whose i-th call runs `fn(i % count)`: with
+    fresh prompts the warm-up call gets prompt 0 and round r prompt r, for every method alike."""
+    calls = [0]
+
+    def call():
+        p = calls[0] % count
+        calls[0] += 1
+        return p, fn(p)
+    return call
+
+
 def _workload(config, target, drafter, name, B, progress, compile_rows):
     import mmspec
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from mmspec.bench.forced import ForcedDrafter, scripted_tokens
     from mmspec.drafters import ModelDrafter, NullDrafter
     from mmspec.models.hf_target import HFTarget
 
     dev, N, K, V = config.device, config.max_new_tokens, config.num_draft_tokens, target.config.vocab_size
-    ids, mask = _prompts(B, WORKLOADS[name], V, seed=config.seed + B)
-    ids, mask = ids.to(dev), mask.to(dev)
-    L = ids.shape[1]
-    gen = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
-    with torch.no_grad():
-        ref = target.generate(**gen)
-    script = scripted_tokens(ref[:, L:], config.alpha, V, extra=max(config.max_draft_tokens, K) + 2, seed=config.seed)
+    cuda = torch.device(dev).type == "cuda"
+    count = config.repeats + 1 if config.fresh_prompts else 1
+    prompts = [(i.to(dev), m.to(dev)) for i, m in _prompt_set(B, WORKLOADS[name], V, config.seed + B, count)]
+    gens = [dict(input_ids=i, attention_mask=m, do_sample=False, max_new_tokens=N, pad_token_id=0) for i, m in prompts]
+    # References and recorded forwards run on the math backend (CUDA): no per-shape plan of a
+    # fused backend is cached before the timed calls meet their shapes (fresh prompts).
+    def untimed():
+        return sdpa_kernel([SDPBackend.MATH]) if cuda and config.fresh_prompts else contextlib.nullcontext()
+    with torch.no_grad(), untimed():
+        refs = [target.generate(**g) for g in gens]
+    scripts = [scripted_tokens(ref[:, i.shape[1]:], config.alpha, V, extra=max(config.max_draft_tokens, K) + 2,
+                               seed=config.seed + p) for p, (ref, (i, _)) in enumerate(zip(refs, prompts))]
     tgt = HFTarget(target)  # built once, reused by every call (the wrap is paid once)
     drafters = {"fixed": ModelDrafter(drafter, K), "auto": ModelDrafter(drafter, "auto", max_draft_tokens=config.max_draft_tokens)}
     args = dict(temperature=0, max_new_tokens=N, pad_token_id=0)
 
     def spec(t, d):
-        return lambda: mmspec.speculative_generate(t, d() if callable(d) else d, ids, mask, **args)
+        return lambda p: mmspec.speculative_generate(t, d(p), *prompts[p], **args)
 
     methods = {
-        "generate": lambda: target.generate(**gen),
-        "mmspec plain": spec(tgt, NullDrafter(V)),
-        f"mmspec K={K}": spec(tgt, lambda: ForcedDrafter(drafters["fixed"], script)),
-        "mmspec auto": spec(tgt, lambda: ForcedDrafter(drafters["auto"], script)),
+        "generate": lambda p: target.generate(**gens[p]),
+        "mmspec plain": spec(tgt, lambda p: NullDrafter(V)),
+        f"mmspec K={K}": spec(tgt, lambda p: ForcedDrafter(drafters["fixed"], scripts[p])),
+        "mmspec auto": spec(tgt, lambda p: ForcedDrafter(drafters["auto"], scripts[p])),
     }
+    if cuda and config.attention_rows:
+        # torch's own attention-backend choice, beside mmspec's measured one (mmspec/attention_choice.py)
+        t_t = HFTarget(target, attention="torch")
+        d_t = {"fixed": ModelDrafter(drafter, K, attention="torch"),
+               "auto": ModelDrafter(drafter, "auto", max_draft_tokens=config.max_draft_tokens, attention="torch")}
+        methods[f"mmspec K={K} torch attention"] = spec(t_t, lambda p: ForcedDrafter(d_t["fixed"], scripts[p]))
+        methods["mmspec auto torch attention"] = spec(t_t, lambda p: ForcedDrafter(d_t["auto"], scripts[p]))
+    compiled = []
     if compile_rows:
         for label, opts in (("static", dict(static=True)), ("cuda graphs", dict(compile="reduce-overhead"))):
             t_c, d_c = HFTarget(target, **opts), ModelDrafter(drafter, K, **opts)
-            methods[f"mmspec K={K} {label}"] = spec(t_c, lambda d_c=d_c: ForcedDrafter(d_c, script))
-    _, log = _record_forwards(methods[f"mmspec K={K}"], {"target": target, "drafter": drafter})
-    methods["ideal"] = _replay({"target": target, "drafter": drafter}, ids, mask, log)
-    methods = {k: _synced(v, dev) for k, v in methods.items()}
-    progress(f"{name} B={B}: prompt {L} positions, {N} new tokens, {', '.join(methods)} interleaved, "
-             f"{config.repeats} rounds ...")
+            compiled.append(f"mmspec K={K} {label}")
+            methods[compiled[-1]] = spec(t_c, lambda p, d_c=d_c: ForcedDrafter(d_c, scripts[p]))
+    replays = []
+    for p, (i, m) in enumerate(prompts):
+        with untimed():
+            _, log = _record_forwards(lambda: methods[f"mmspec K={K}"](p), {"target": target, "drafter": drafter})
+        replays.append(_replay({"target": target, "drafter": drafter}, i, m, log))
+    # The ideal runs its forwards under the attention backends mmspec chose for this model (the
+    # same kernels as the measured rows), else a fresh prompt's shapes would charge it plan builds.
+    from mmspec.attention_choice import backends_for
+
+    chosen = backends_for(tgt.spec, dev, next(target.parameters()).dtype) if cuda else None
+
+    def ideal(p):
+        with (sdpa_kernel(chosen) if chosen is not None else contextlib.nullcontext()):
+            return replays[p]()
+    methods["ideal"] = ideal
+    with torch.no_grad():  # traces are per capacity bucket, not per attention shape: build them all before timing
+        for label in compiled:
+            for p in range(1, count):
+                methods[label](p)
+    methods = {k: _synced(_cycling(v, count), dev) for k, v in methods.items()}
+    L = max(i.shape[1] for i, _ in prompts)
+    progress(f"{name} B={B}: prompt {'up to ' if count > 1 else ''}{L} positions, {N} new tokens, "
+             f"{'a fresh prompt per call' if count > 1 else 'one prompt for every call'}, {', '.join(methods)} "
+             f"interleaved, {config.repeats} rounds ...")
     with torch.no_grad():
         times, outs = _interleaved(methods, config.repeats)
     rows = []
     for method, t in times.items():
-        out = outs[method]
+        p, out = outs[method]
         stats = getattr(out, "stats", None)
         row = {"workload": name, "batch": B, "prompt_positions": L, "method": method, "seconds": round(t, 4),
                "tokens_per_s": round(B * N / t, 1), "speedup_vs_generate": round(times["generate"] / t, 3),
@@ -190,7 +262,7 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
         if method == "ideal":
             row["efficiency_of_fixed_k"] = round(t / times[f"mmspec K={K}"], 3)
         elif method != "generate":
-            row["identical_to_generate"] = bool(torch.equal(out.sequences, ref))
+            row["identical_to_generate"] = bool(torch.equal(out.sequences, refs[p]))  # the last round's request
             if stats is not None and method != "mmspec plain":
                 row["mean_accepted_length"] = round(stats.mean_accepted_length, 3)
                 row["mean_k"] = round(stats.drafted_nodes / max(stats.row_steps, 1), 2)
@@ -239,6 +311,9 @@ def run(config: GpuBenchConfig, progress=print, json_path: str | None = None) ->
             report["skipped"].append({"workload": name, "batch": B, "why": f"{type(e).__name__}: {e}"[:500]})
             progress(f"FAILED {name} B={B}: {type(e).__name__}: {e}")
         report["info"]["seconds"] = round(time.perf_counter() - start, 1)
+        from mmspec.attention_choice import choices
+
+        report["info"]["attention_choice"] = choices()
         progress(format_table(report))
         if json_path:
             with open(json_path, "w") as f:
@@ -283,6 +358,11 @@ def main(argv: list[str]) -> int:
                    help="leave the random weights as drawn (greedy near-ties may flip; see _stable_greedy)")
     p.add_argument("--no-cudnn-attention", action="store_true",
                    help="disable cuDNN's scaled-dot-product attention for the run (a diagnostic)")
+    p.add_argument("--same-prompt", action="store_true",
+                   help="every call decodes the same prompt (the default gives each call a fresh one: with one prompt, "
+                        "per-shape attention plans cached by the first call flatter every later one)")
+    p.add_argument("--no-attention-rows", action="store_true",
+                   help="skip the rows that run with attention='torch' (torch's own backend choice)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no workload after this many seconds")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -293,7 +373,8 @@ def main(argv: list[str]) -> int:
                                 max_new_tokens=a.max_new_tokens, num_draft_tokens=a.num_draft_tokens,
                                 repeats=a.repeats, compile=a.compile, deadline_s=a.deadline_s,
                                 stable_greedy=not a.plain_random,
-                                cudnn_attention=not a.no_cudnn_attention, **kw)
+                                cudnn_attention=not a.no_cudnn_attention, fresh_prompts=not a.same_prompt,
+                                attention_rows=not a.no_attention_rows, **kw)
     except (ValueError, IndexError) as e:
         raise SystemExit(f"mmspec bench gpu: {e}") from None
 

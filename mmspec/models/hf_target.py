@@ -83,9 +83,11 @@ class HFTarget(SpecTarget):
 
     `static` / `compile`: the opt-in GPU path (`SpecTarget`; docs/architecture.md, "GPU path").
     With `compile`, `prepack="auto"` means no prepacking (oneDNN packed weights are an eager
-    CPU kernel choice) and `prepack=True` is refused."""
+    CPU kernel choice) and `prepack=True` is refused.
 
-    def __init__(self, model, *, prepack="auto", static: bool | None = None, compile=None):
+    `attention` ("auto", "torch"): the CUDA attention-backend choice of `SpecTarget`."""
+
+    def __init__(self, model, *, prepack="auto", static: bool | None = None, compile=None, attention: str = "auto"):
         check_supported(model)
         prepack = prepack_for_compile(prepack, compile)
         self.model = model
@@ -93,7 +95,7 @@ class HFTarget(SpecTarget):
         spec = spec_class(model)(run, source=model)
         spec.kernels = kernels_of(run, model)
         self.kernels = spec.kernels
-        super().__init__(spec, static=static, compile=compile)
+        super().__init__(spec, static=static, compile=compile, attention=attention)
 
     def acceptance_tables(self) -> dict:
         """Tables rules named by string can use: GSD clusters by input-embedding distance."""

@@ -1,0 +1,151 @@
+"""Choose the attention backends of step forwards on a GPU by measuring them, not by assuming.
+
+Why: speculative decoding gives almost every forward a shape never seen before. A verify
+attends K + 1 queries over a key length that grows by a different amount every step (the
+accepted run), a drafter's catch-up forward has as many queries as the step accepted, and with
+an adaptive draft length the query count changes too. An attention backend that prepares a
+plan per shape pays that preparation on every such step. cuDNN's fused attention is one: its
+execution graph is built per (query length, key length) and cached by shape (see the cuDNN
+backend discussions in pytorch/pytorch, e.g. PR 155958 on graphs rebuilt when the sequence
+length changes, and ml-explore/mlx PR 2743: "the cuDNN graph is currently recreated whenever
+sequence length increases"). A benchmark that repeats one request hides this (the second
+request replays cached plans); a user's stream of different prompts does not.
+
+What we do: on the first eager step forward on a CUDA device, for the model's head geometry
+and dtype, time scaled-dot-product attention on *fresh* shapes (a key length not used before,
+so a per-shape plan is paid as a real step pays it) for the verify form (K + 1 queries with a
+4-D additive float mask, as mmspec passes it) and the one-token form (no mask), in alternating
+rounds, under (a) the backends torch has enabled now (its own choice) and (b) the same set
+without cuDNN attention. Each eager forward (prefill and steps) then runs under the faster set, through
+`torch.nn.attention.sdpa_kernel` (which restores the caller's settings after the forward).
+The set without cuDNN is only taken when it is at least 10% faster; otherwise nothing is
+changed. Only backends the caller has enabled are ever used (we only ever remove cuDNN), and
+where cuDNN attention is already disabled, or on CPU, nothing is measured.
+
+The measurement is cached per (device, dtype, heads, kv heads, head dim), costs well under a
+second on the GPUs we measured, and is recorded in `choices()` for benchmarks to report.
+`HFTarget(..., attention="torch")` / `ModelDrafter(..., attention="torch")` leave torch's
+choice alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+MODES = ("auto", "torch")
+MARGIN = 0.9  # the set without cuDNN must be at least 10% faster per fresh-shape step
+SAMPLES = 4  # fresh shapes per candidate (fewer when one takes over the time cap)
+TIME_CAP_S = 2.0  # stop sampling a candidate after this much time (a plan build can take 100s of ms)
+VERIFY_QUERIES = 6  # the verify form: K + 1 = 6 queries
+BASE_KEYS = 1000  # fresh key lengths start here, spaced so no two probes share a shape
+_CACHE: dict = {}
+_RECORD: dict = {}
+_NEXT_KEY = [0]
+
+
+def check_mode(attention) -> str:
+    if attention not in MODES:
+        raise ValueError(f"attention must be one of {MODES} ('auto': mmspec measures whether cuDNN attention's "
+                         f"per-shape plans slow the step forwards on this GPU and leaves it out if so; 'torch': "
+                         f"torch's own backend choice), got {attention!r}")
+    return attention
+
+
+def geometry(spec) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) of a spec's model, from its config (a fallback for specs
+    without one: the measurement's per-shape costs barely depend on it)."""
+    model = getattr(spec, "model", None)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not heads or not hidden:
+        return 32, 32, 128
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return int(heads), int(kv_heads), int(head_dim)
+
+
+def _enabled() -> list:
+    from torch.nn.attention import SDPBackend
+
+    flags = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+             SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+             SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled,
+             SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled}
+    return [b for b, on in flags.items() if on()]
+
+
+def _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim) -> float:
+    """Wall seconds of one verify-form and one one-token attention call on a key length not
+    used before (synchronised, so a plan built on the host and the kernel are both counted)."""
+    import torch.nn.functional as F
+
+    _NEXT_KEY[0] += 1
+    S = BASE_KEYS + 37 * _NEXT_KEY[0]
+    Q = VERIFY_QUERIES
+    q = torch.randn(1, heads, Q, head_dim, device=device, dtype=dtype)
+    k = torch.randn(1, heads, S, head_dim, device=device, dtype=dtype)  # kv heads repeated, as HF's sdpa path does
+    v = torch.randn_like(k)
+    vis = torch.ones(Q, S, dtype=torch.bool, device=device).tril(S - Q)
+    mask = torch.zeros(1, 1, Q, S, dtype=dtype, device=device).masked_fill(~vis, torch.finfo(dtype).min)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    F.scaled_dot_product_attention(q[:, :, -1:], k, v)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _measure(device, dtype, heads, kv_heads, head_dim) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    stock = _enabled()
+    without = [b for b in stock if b != SDPBackend.CUDNN_ATTENTION]
+    record = {"torch": [b.name for b in stock], "without_cudnn": [b.name for b in without]}
+    if len(without) == len(stock) or not without:
+        record.update(chosen="torch", why="cuDNN attention is not enabled" if without else "cuDNN is the only backend")
+        return {"backends": None, "record": record}
+    samples = {"torch": [], "without_cudnn": []}
+    spent = {"torch": 0.0, "without_cudnn": 0.0}
+    sets = {"torch": stock, "without_cudnn": without}
+    for name, backends in sets.items():  # warm-up: library handles and kernels load once per process
+        with sdpa_kernel(backends):
+            _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
+    for i in range(SAMPLES):
+        for name in (("torch", "without_cudnn") if i % 2 == 0 else ("without_cudnn", "torch")):
+            if spent[name] > TIME_CAP_S and len(samples[name]) >= 2:
+                continue
+            with sdpa_kernel(sets[name]):
+                s = _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
+            samples[name].append(s)
+            spent[name] += s
+    ms = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+    record["fresh_shape_ms"] = {name: round(v, 3) for name, v in ms.items()}
+    take = ms["without_cudnn"] < MARGIN * ms["torch"]
+    record["chosen"] = "without_cudnn" if take else "torch"
+    return {"backends": without if take else None, "record": record}
+
+
+def backends_for(spec, device, dtype: torch.dtype, mode: str = "auto") -> list | None:
+    """The measured backend set a step forward runs under (`torch.nn.attention.sdpa_kernel`),
+    or None to leave torch's choice alone (CPU, mode "torch", or no gain measured)."""
+    device = torch.device(device)
+    if mode != "auto" or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    heads, kv_heads, head_dim = geometry(spec)
+    key = (str(device), dtype, heads, kv_heads, head_dim, tuple(b.name for b in _enabled()))
+    choice = _CACHE.get(key)
+    if choice is None:
+        choice = _CACHE[key] = _measure(device, dtype, heads, kv_heads, head_dim)
+        _RECORD[f"{device} {str(dtype).replace('torch.', '')} heads={heads}/{kv_heads} d={head_dim}"] = choice["record"]
+    return choice["backends"]
+
+
+def choices() -> dict:
+    """What was measured and chosen in this process, per device and head geometry."""
+    return {k: dict(v) for k, v in _RECORD.items()}

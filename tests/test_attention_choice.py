@@ -1,0 +1,78 @@
+"""The CUDA attention-backend choice (mmspec/attention_choice.py): its decision logic with the
+timings replaced (the real measurement needs a GPU; tests/test_core_cuda.py runs it there),
+its refusals, and that nothing is measured or changed on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend
+
+import mmspec.attention_choice as ac
+from mmspec.drafters import ModelDrafter
+from mmspec.models.hf_target import HFTarget
+
+from conftest import tiny_llama
+
+
+def _fake_timing(monkeypatch, cudnn_ms: float, other_ms: float):
+    """Per fresh-shape call: `cudnn_ms` while cuDNN attention is enabled, else `other_ms`."""
+    calls = []
+
+    def fresh(device, dtype, heads, kv_heads, head_dim):
+        on = torch.backends.cuda.cudnn_sdp_enabled()
+        calls.append(on)
+        return (cudnn_ms if on else other_ms) / 1e3
+    monkeypatch.setattr(ac, "_fresh_step_seconds", fresh)
+    return calls
+
+
+def test_cudnn_left_out_when_its_fresh_shapes_are_dearer(monkeypatch):
+    calls = _fake_timing(monkeypatch, cudnn_ms=30.0, other_ms=1.0)
+    choice = ac._measure("cuda", torch.bfloat16, 32, 32, 128)
+    assert SDPBackend.CUDNN_ATTENTION not in choice["backends"]
+    assert SDPBackend.CUDNN_ATTENTION in [getattr(SDPBackend, n) for n in choice["record"]["torch"]]
+    assert choice["record"]["chosen"] == "without_cudnn"
+    assert choice["record"]["fresh_shape_ms"] == {"torch": 30.0, "without_cudnn": 1.0}
+    assert calls.count(True) == calls.count(False) == ac.SAMPLES + 1  # a warm-up each, then alternating rounds
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # the caller's settings are restored
+
+
+def test_torch_choice_kept_within_the_margin(monkeypatch):
+    _fake_timing(monkeypatch, cudnn_ms=1.0, other_ms=0.95)  # 5% faster: under the 10% margin
+    choice = ac._measure("cuda", torch.bfloat16, 32, 32, 128)
+    assert choice["backends"] is None and choice["record"]["chosen"] == "torch"
+
+
+def test_nothing_to_choose_when_cudnn_is_off(monkeypatch):
+    calls = _fake_timing(monkeypatch, cudnn_ms=30.0, other_ms=1.0)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        choice = ac._measure("cuda", torch.bfloat16, 32, 32, 128)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    assert choice["backends"] is None and "not enabled" in choice["record"]["why"] and not calls
+
+
+def test_an_expensive_candidate_stops_at_the_time_cap(monkeypatch):
+    calls = _fake_timing(monkeypatch, cudnn_ms=1500.0, other_ms=1.0)
+    ac._measure("cuda", torch.bfloat16, 32, 32, 128)
+    assert calls.count(True) == 1 + 2  # warm-up, then two samples of 1.5 s pass the 2 s cap
+    assert calls.count(False) == 1 + ac.SAMPLES
+
+
+def test_cpu_is_never_measured_and_geometry_comes_from_the_config(monkeypatch):
+    calls = _fake_timing(monkeypatch, cudnn_ms=30.0, other_ms=1.0)
+    target = HFTarget(tiny_llama(layers=1, seed=0))
+    assert ac.backends_for(target.spec, "cpu", torch.float32) is None and not calls
+    assert ac.geometry(target.spec) == (4, 2, 8)  # conftest's tiny Llama: width 32, 4 heads, 2 KV heads
+    assert ac.geometry(object()) == (32, 32, 128)
+
+
+def test_unknown_attention_modes_are_refused():
+    model = tiny_llama(layers=1, seed=0)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        HFTarget(model, attention="cudnn")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ModelDrafter(model, 3, attention=None)
+    assert HFTarget(model, attention="torch").runner.attention == "torch"
