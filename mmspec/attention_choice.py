@@ -134,10 +134,16 @@ def _measure(device, dtype, heads, kv_heads, head_dim) -> dict:
 def backends_for(spec, device, dtype: torch.dtype, mode: str = "auto") -> list | None:
     """The measured backend set a step forward runs under (`torch.nn.attention.sdpa_kernel`),
     or None to leave torch's choice alone (CPU, mode "torch", or no gain measured)."""
-    device = torch.device(device)
-    if mode != "auto" or device.type != "cuda" or not torch.cuda.is_available():
+    if mode != "auto" or torch.device(device).type != "cuda":
         return None
-    heads, kv_heads, head_dim = geometry(spec)
+    return backends_for_geometry(device, dtype, *geometry(spec))
+
+
+def backends_for_geometry(device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> list | None:
+    """`backends_for` for a module that runs its own attention (an EAGLE head's layer)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
     key = (str(device), dtype, heads, kv_heads, head_dim, tuple(b.name for b in _enabled()))
     choice = _CACHE.get(key)
     if choice is None:

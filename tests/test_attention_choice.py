@@ -76,3 +76,19 @@ def test_unknown_attention_modes_are_refused():
     with pytest.raises(ValueError, match="attention must be one of"):
         ModelDrafter(model, 3, attention=None)
     assert HFTarget(model, attention="torch").runner.attention == "torch"
+
+
+def test_eagle_head_resolves_its_geometry_only_on_cuda(monkeypatch):
+    """The EAGLE head runs its own attention: on CUDA it asks for the measured backends at its
+    own head geometry; on CPU it asks for nothing (the decode is unchanged)."""
+    from drafters.eagle_head import EagleHead, EagleHeadConfig
+
+    asked = []
+    monkeypatch.setattr(ac, "backends_for_geometry", lambda *a: asked.append(a) or None)
+    head = EagleHead(EagleHeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=64)).double()
+    x = torch.randn(1, 3, 32, dtype=torch.float64)
+    pos = torch.arange(3).unsqueeze(0)
+    vis = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    head.decode(x, pos, vis)
+    assert not asked
