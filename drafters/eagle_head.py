@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmspec.adaptive import DraftLengthController
+from mmspec.attention_choice import step_attention
 from mmspec.drafters.chain_stop import ChainStop
 from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.ragged import RaggedKV
@@ -222,6 +223,7 @@ class HeadLayer(nn.Module):
 
 class EagleHead(nn.Module):
     """The trainable part of an EAGLE drafter (the embedding and LM head are the target's)."""
+    attention = "auto"  # "auto": mmspec/attention_choice.py on CUDA; "torch": torch's backend choice
 
     def __init__(self, config: EagleHeadConfig):
         super().__init__()
@@ -233,27 +235,10 @@ class EagleHead(nn.Module):
         """[B, Q, H] token embeddings + [B, Q, H] features -> the decoder layer's input."""
         return self.fc(torch.cat([embeds, hidden.to(embeds.dtype)], -1))
 
-    # On CUDA the layer's attention runs under the backends measured fastest on fresh shapes
-    # (mmspec/attention_choice.py; every draft step has a new key length); "torch": torch's choice.
-    attention = "auto"
-
     def decode(self, x, positions, visible, kv: RaggedKV | None = None, max_position: int | None = None) -> torch.Tensor:
-        backends = None
-        if x.device.type == "cuda" and self.attention == "auto":
-            from mmspec.attention_choice import backends_for_geometry
-
-            c = self.config
-            backends = backends_for_geometry(x.device, x.dtype, c.num_attention_heads, c.num_key_value_heads,
-                                             c.hidden_size // c.num_attention_heads)
-        if backends is not None:
-            from torch.nn.attention import sdpa_kernel
-
-            with sdpa_kernel(backends):
-                for layer in self.layers:
-                    x = layer(x, positions, visible, kv, max_position)
-            return x
-        for layer in self.layers:
-            x = layer(x, positions, visible, kv, max_position)
+        with step_attention(x, self.config, self.attention):  # CUDA: attention backends measured on fresh shapes
+            for layer in self.layers:
+                x = layer(x, positions, visible, kv, max_position)
         return x
 
     def prepare(self, next_tokens, embeds, hidden, mask):

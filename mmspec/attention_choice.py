@@ -30,6 +30,7 @@ choice alone.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -150,6 +151,22 @@ def backends_for_geometry(device, dtype: torch.dtype, heads: int, kv_heads: int,
         choice = _CACHE[key] = _measure(device, dtype, heads, kv_heads, head_dim)
         _RECORD[f"{device} {str(dtype).replace('torch.', '')} heads={heads}/{kv_heads} d={head_dim}"] = choice["record"]
     return choice["backends"]
+
+
+def step_attention(x: torch.Tensor, config, mode: str = "auto"):
+    """The context a module running its own attention on `x` enters: the measured backends
+    on CUDA (mode "auto"), else a no-op. `config` names its heads the transformers way
+    (`num_attention_heads`, `num_key_value_heads`, `hidden_size`)."""
+    backends = None
+    if mode == "auto" and x.device.type == "cuda":
+        heads = config.num_attention_heads
+        backends = backends_for_geometry(x.device, x.dtype, heads, getattr(config, "num_key_value_heads", heads),
+                                         config.hidden_size // heads)
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backends)
 
 
 def choices() -> dict:

@@ -78,17 +78,27 @@ def test_unknown_attention_modes_are_refused():
     assert HFTarget(model, attention="torch").runner.attention == "torch"
 
 
-def test_eagle_head_resolves_its_geometry_only_on_cuda(monkeypatch):
+def test_eagle_head_asks_for_its_own_geometry_on_cuda_only(monkeypatch):
     """The EAGLE head runs its own attention: on CUDA it asks for the measured backends at its
-    own head geometry; on CPU it asks for nothing (the decode is unchanged)."""
+    head geometry and enters them (restored afterwards); on CPU, or with attention="torch", it
+    asks for nothing."""
+    from types import SimpleNamespace
+
     from drafters.eagle_head import EagleHead, EagleHeadConfig
 
     asked = []
-    monkeypatch.setattr(ac, "backends_for_geometry", lambda *a: asked.append(a) or None)
-    head = EagleHead(EagleHeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                     vocab_size=64)).double()
+    monkeypatch.setattr(ac, "backends_for_geometry",
+                        lambda *a: asked.append(a) or [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    cfg = EagleHeadConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    head = EagleHead(cfg).double()
     x = torch.randn(1, 3, 32, dtype=torch.float64)
-    pos = torch.arange(3).unsqueeze(0)
-    vis = torch.ones(1, 3, 3, dtype=torch.bool).tril()
-    head.decode(x, pos, vis)
+    head.decode(x, torch.arange(3).unsqueeze(0), torch.ones(1, 3, 3, dtype=torch.bool).tril())
     assert not asked
+    on_cuda = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    with ac.step_attention(on_cuda, cfg):
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    assert asked == [(torch.device("cuda"), torch.bfloat16, 4, 2, 8)]
+    assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    with ac.step_attention(on_cuda, cfg, "torch"):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert len(asked) == 1
