@@ -62,11 +62,12 @@ def geometry(spec) -> tuple[int, int, int]:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    heads = getattr(config, "num_attention_heads", None)
-    hidden = getattr(config, "hidden_size", None)
+    # transformers' names, else LlamaGen's (n_head, n_kv_head, dim)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
     if not heads or not hidden:
         return 32, 32, 128
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "n_kv_head", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     return int(heads), int(kv_heads), int(head_dim)
 

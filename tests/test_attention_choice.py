@@ -102,3 +102,12 @@ def test_eagle_head_asks_for_its_own_geometry_on_cuda_only(monkeypatch):
     with ac.step_attention(on_cuda, cfg, "torch"):
         assert torch.backends.cuda.cudnn_sdp_enabled()
     assert len(asked) == 1
+
+
+def test_geometry_reads_llamagen_configs():
+    """LlamaGen's GPT names its heads n_head / n_kv_head / dim: the measurement uses its own geometry."""
+    from mmspec.models.llamagen_gpt import LlamaGenGPT
+    from mmspec.models.llamagen_spec import LlamaGenSpec
+
+    gpt = LlamaGenGPT(dim=64, n_layer=1, n_head=4, n_kv_head=2, vocab_size=32, num_classes=4, block_size=16)
+    assert ac.geometry(LlamaGenSpec(gpt, prepack=False)) == (4, 2, 16)
