@@ -3,13 +3,14 @@
 #   1. what one attention call costs on a never-seen shape per backend (benchmarks/sdpa_fresh_shapes.py),
 #   2. tests/test_core_cuda.py (greedy equality on CUDA: eager, static, CUDA graphs; chains and trees;
 #      the attention-backend choice),
-#   3. `mmspec bench gpu` on the text and LLaVA-shaped workloads at batch 1 (Llama-2-7B shapes, random
-#      bf16 weights, forced acceptance, a fresh prompt per call) with mmspec's and torch's attention choice,
-#   4. with the time left, text at batch 1 with one prompt for every call (the pre-session-29 bench,
-#      whose repeated shapes hide per-shape attention plans) and text at batch 4.
+#   3. `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh prompt per
+#      call) on text at batch 4 (`auto` chose K ~3 there in session 29 where K = 5 ran 1.3x faster; the
+#      auto row now carries its controller's estimates), then text and LLaVA-shaped prompts at batch 1
+#      with mmspec's and torch's attention choice,
+#   4. with the time left, the static and CUDA-graph rows at batch 1.
 # Usage (repository root): bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
 # SECONDS (default 540) bounds the whole script; each step gets what is left. Figures and logs go
-# to OUTDIR. A `.whl/` folder of wheels (e.g. the transformers version mmspec is tested on) is
+# to OUTDIR (7 files: the device tool brings back at most 8). A `.whl/` folder of wheels (e.g. the transformers version mmspec is tested on) is
 # installed first when present; mmspec itself is installed from this checkout without its
 # dependencies (the machine's torch is used).
 set -u
@@ -28,22 +29,24 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/mmspec_site . || exit 1
 export PYTHONPATH=/tmp/mmspec_site${PYTHONPATH:+:$PYTHONPATH}
 cd /tmp  # so that the checkout's mmspec/ folder does not shadow the installed package
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.txt"
-python3 -c "import torch, transformers, mmspec; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$OUT/versions.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
+python3 -c "import torch, transformers, mmspec; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/env.txt"
 
 echo "== attention on fresh shapes, per backend ($(left) s left)"
-bounded 60 python3 "$ROOT/benchmarks/sdpa_fresh_shapes.py" --json "$OUT/sdpa_fresh_shapes.json" 2>&1 | tee "$OUT/sdpa_fresh_shapes.log"
+bounded 60 python3 "$ROOT/benchmarks/sdpa_fresh_shapes.py" --json "$OUT/sdpa_fresh_shapes.json" 2>&1 | tee -a "$OUT/env.txt"
 
 echo "== tests/test_core_cuda.py ($(left) s left)"
-bounded $(( $(left) > 200 ? 150 : $(left) - 40 )) python3 -m pytest -q -s -p no:cacheprovider -rA "$ROOT/tests/test_core_cuda.py" 2>&1 | tee "$OUT/test_core_cuda.log"
+bounded $(( $(left) > 200 ? 150 : $(left) - 40 )) python3 -m pytest -q -s -p no:cacheprovider "$ROOT/tests/test_core_cuda.py" 2>&1 | tee "$OUT/test_core_cuda.log"
+
+echo "== bench gpu: text at batch 4 (auto's choice there: the auto row carries its controller's state) ($(left) s left)"
+bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 --no-attention-rows \
+  --json "$OUT/bench_gpu_b4.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 
 echo "== bench gpu: text and llava at B=1, a fresh prompt per call, mmspec's and torch's attention choice ($(left) s left)"
-bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:1,llava:1 --repeats 2 \
-  --json "$OUT/bench_gpu_b1.json" 2>&1 | tee "$OUT/bench_gpu_b1.log"
+bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:1,llava:1 --repeats 2 --deadline-s 150 \
+  --json "$OUT/bench_gpu_b1.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 
-echo "== bench gpu: text B=1 with one prompt for every call (as before session 29), and text B=4 ($(left) s left)"
-bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1 --repeats 2 --same-prompt --deadline-s 20 \
-  --json "$OUT/bench_gpu_same_prompt.json" 2>&1 | tee "$OUT/bench_gpu_same_prompt.log"
-bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 \
-  --json "$OUT/bench_gpu_b4.json" 2>&1 | tee "$OUT/bench_gpu_b4.log"
+echo "== bench gpu: text B=1 with the static and CUDA-graph rows, as time allows ($(left) s left)"
+bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1 --repeats 2 --compile --no-attention-rows \
+  --json "$OUT/bench_gpu_compile.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 echo "== done ($(left) s left)"

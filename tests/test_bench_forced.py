@@ -150,3 +150,15 @@ def test_gpu_bench_cli_flags(capsys):
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--workloads", "text:1",
                  "--max-new-tokens", "8", "--repeats", "1", "--same-prompt", "--no-attention-rows"]) == 0
     assert "mmspec K=5" in capsys.readouterr().out
+
+
+def test_gpu_bench_reports_what_auto_believed():
+    """The `auto` row carries its controller's state (for diagnosing a choice on a GPU run):
+    acceptance per position near the forced profile, measured costs, projected finish times."""
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 2),), max_new_tokens=24,
+                         repeats=1, alpha=0.8)
+    rows = {r["method"]: r for r in run(cfg, progress=lambda m: None)["rows"]}
+    state = rows["mmspec auto"]["controller"]
+    assert len(state["acceptance"]) == cfg.max_draft_tokens and "2x1" in state["verify_ms"]
+    assert all(v is None or v > 0 for v in state["finish_ms"].values())
+    assert sum(state["k_histogram_all_calls"].values()) > 0

@@ -179,6 +179,19 @@ def _cycling(fn, count: int):
     return call
 
 
+def controller_state(c, batch: int, new_tokens: int) -> dict:
+    """What `auto`'s controller believed after the run: acceptance per draft position, the
+    measured step costs (ms) per (rows x queries) for verify and (rows x drafts) for drafting,
+    and its projected ms to finish a fresh request of `new_tokens` per row at each K (its
+    choice is the smallest)."""
+    finish = {k: c.finish_seconds(batch, k, [new_tokens] * batch) for k in range(c.k_max + 1)}
+    return {"acceptance": [round(a, 3) for a in c.acceptance()],
+            "verify_ms": {f"{b}x{q}": round(v * 1e3, 3) for (b, q), v in sorted(c.verify.means.items())},
+            "draft_ms": {f"{b}x{k}": round(v * 1e3, 3) for (b, k), v in sorted(c.draft.means.items())},
+            "finish_ms": {k: None if v is None else round(v * 1e3, 1) for k, v in finish.items()},
+            "k_histogram_all_calls": {k: c.history.count(k) for k in sorted(set(c.history))}}
+
+
 def _workload(config, target, drafter, name, B, progress, compile_rows):
     import mmspec
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -267,6 +280,8 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
                 row["mean_accepted_length"] = round(stats.mean_accepted_length, 3)
                 row["mean_k"] = round(stats.drafted_nodes / max(stats.row_steps, 1), 2)
                 row["verify_forwards"] = stats.target_calls
+                if method == "mmspec auto":
+                    row["controller"] = controller_state(drafters["auto"].controller, B, N)
                 if "auto" not in method:
                     row["expected_accepted_length"] = round(expected_length(config.alpha, K), 3)
                     row["efficiency"] = round(times["ideal"] / t, 3)
