@@ -351,6 +351,10 @@ def format_table(report: dict) -> str:
             f"{format(eff, '.0%') if eff else '':>6} {'' if same is None else 'yes' if same else 'NO':>5}")
     for s in report.get("skipped", []):
         lines.append(f"skipped {s['workload']} B={s['batch']}: {s['why']}")
+    for key, c in (report["info"].get("attention_choice") or {}).items():
+        ms = c.get("fresh_shape_ms")
+        lines.append(f"attention ({key}): {c['chosen']}" + (f" (ms per fresh-shape verify + one-token call: torch's "
+                     f"choice {ms['torch']}, without cuDNN {ms['without_cudnn']})" if ms else f" ({c.get('why', '')})"))
     return "\n".join(lines)
 
 
