@@ -19,8 +19,10 @@ rounds, under (a) the backends torch has enabled now (its own choice) and (b) th
 without cuDNN attention. Each eager forward (prefill and steps) then runs under the faster set, through
 `torch.nn.attention.sdpa_kernel` (which restores the caller's settings after the forward).
 The set without cuDNN is only taken when it is at least 10% faster; otherwise nothing is
-changed. Only backends the caller has enabled are ever used (we only ever remove cuDNN), and
-where cuDNN attention is already disabled, or on CPU, nothing is measured.
+changed. Only backends the caller has enabled are ever used (we only ever remove cuDNN), only
+while the math backend stays among them (it has a kernel for every input), and a set that fails
+while measured leaves torch's choice; where cuDNN attention is already disabled, or on CPU,
+nothing is measured.
 
 The measurement is cached per (device, dtype, heads, kv heads, head dim) and the enabled
 backends; it costs a few fresh-shape calls per candidate (on an H100 with cuDNN's ~85 ms plan
@@ -111,22 +113,33 @@ def _measure(device, dtype, heads, kv_heads, head_dim) -> dict:
     stock = _enabled()
     without = [b for b in stock if b != SDPBackend.CUDNN_ATTENTION]
     record = {"torch": [b.name for b in stock], "without_cudnn": [b.name for b in without]}
-    if len(without) == len(stock) or not without:
-        record.update(chosen="torch", why="cuDNN attention is not enabled" if without else "cuDNN is the only backend")
+    if len(without) == len(stock) or SDPBackend.MATH not in without:
+        # Without the math backend a set may have no kernel for some input (flash takes no float
+        # mask): then torch's own choice stays, whatever the timings.
+        why = "cuDNN attention is not enabled" if len(without) == len(stock) else "the math backend is disabled"
+        record.update(chosen="torch", why=why)
         return {"backends": None, "record": record}
     start = time.perf_counter()
     samples = {"torch": [], "without_cudnn": []}
     spent = {"torch": 0.0, "without_cudnn": 0.0}
     sets = {"torch": stock, "without_cudnn": without}
     for name, backends in sets.items():  # warm-up: library handles and kernels load once per process
-        with sdpa_kernel(backends):
-            _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
+        try:
+            with sdpa_kernel(backends):
+                _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
+        except RuntimeError as e:  # no kernel of the set runs this input: keep torch's choice
+            record.update(chosen="torch", why=f"{name} failed: {str(e).splitlines()[0][:200]}")
+            return {"backends": None, "record": record}
     for i in range(SAMPLES):
         for name in (("torch", "without_cudnn") if i % 2 == 0 else ("without_cudnn", "torch")):
             if spent[name] > TIME_CAP_S and len(samples[name]) >= 2:
                 continue
-            with sdpa_kernel(sets[name]):
-                s = _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
+            try:
+                with sdpa_kernel(sets[name]):
+                    s = _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
+            except RuntimeError as e:  # no kernel of the set runs this input: keep torch's choice
+                record.update(chosen="torch", why=f"{name} failed: {str(e).splitlines()[0][:200]}")
+                return {"backends": None, "record": record}
             samples[name].append(s)
             spent[name] += s
     ms = {name: statistics.median(v) * 1e3 for name, v in samples.items()}

@@ -111,3 +111,24 @@ def test_geometry_reads_llamagen_configs():
 
     gpt = LlamaGenGPT(dim=64, n_layer=1, n_head=4, n_kv_head=2, vocab_size=32, num_classes=4, block_size=16)
     assert ac.geometry(LlamaGenSpec(gpt, prepack=False)) == (4, 2, 16)
+
+
+def test_no_choice_without_the_math_fallback_or_when_a_set_fails(monkeypatch):
+    """The set without cuDNN is only taken when it keeps the math backend (a kernel for every
+    input), and a set that raises while measured leaves torch's choice in place (reported)."""
+    calls = _fake_timing(monkeypatch, cudnn_ms=30.0, other_ms=1.0)
+    torch.backends.cuda.enable_math_sdp(False)
+    try:
+        choice = ac._measure("cuda", torch.bfloat16, 32, 32, 128)
+    finally:
+        torch.backends.cuda.enable_math_sdp(True)
+    assert choice["backends"] is None and "math" in choice["record"]["why"] and not calls
+
+    def failing(device, dtype, heads, kv_heads, head_dim):
+        if not torch.backends.cuda.cudnn_sdp_enabled():
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return 0.03
+    monkeypatch.setattr(ac, "_fresh_step_seconds", failing)
+    choice = ac._measure("cuda", torch.bfloat16, 32, 32, 128)
+    assert choice["backends"] is None and "No available kernel" in choice["record"]["why"]
+    assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
