@@ -102,6 +102,7 @@ class _LinearCost:
     def __init__(self, decay: float):
         self.decay = decay
         self.means: dict = {}
+        self.counts: dict = {}  # observations per key (diagnostics: a mean of few is mostly its first)
         self.sums = [0.0] * 5  # weight, sum x, sum y, sum xx, sum xy (discounted)
         self._line: tuple[float, float] | None = None
 
@@ -110,6 +111,7 @@ class _LinearCost:
         if old is not None:
             seconds = min(seconds, self.clip * old)
         self.means[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.counts[key] = self.counts.get(key, 0) + 1
         g = 0.99  # the line forgets slowly: it only fills in shapes not seen yet
         w, sx, sy, sxx, sxy = (v * g for v in self.sums)
         self.sums = [w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds]

@@ -181,13 +181,17 @@ def _cycling(fn, count: int):
 
 def controller_state(c, batch: int, new_tokens: int) -> dict:
     """What `auto`'s controller believed after the run: acceptance per draft position, the
-    measured step costs (ms) per (rows x queries) for verify and (rows x drafts) for drafting,
-    and its projected ms to finish a fresh request of `new_tokens` per row at each K (its
+    measured step costs (ms) per (rows x queries) for verify and (rows x drafts) for drafting
+    with the number of steps behind each, and its projected ms to finish a fresh request of `new_tokens` per row at each K (its
     choice is the smallest)."""
     finish = {k: c.finish_seconds(batch, k, [new_tokens] * batch) for k in range(c.k_max + 1)}
     return {"acceptance": [round(a, 3) for a in c.acceptance()],
             "verify_ms": {f"{b}x{q}": round(v * 1e3, 3) for (b, q), v in sorted(c.verify.means.items())},
             "draft_ms": {f"{b}x{k}": round(v * 1e3, 3) for (b, k), v in sorted(c.draft.means.items())},
+            # how many steps each mean is made of: a key seen a few times is mostly its first
+            # observation, which carries whatever a new shape costs once (kernel loading, plans)
+            "verify_observations": {f"{b}x{q}": n for (b, q), n in sorted(c.verify.counts.items())},
+            "draft_observations": {f"{b}x{k}": n for (b, k), n in sorted(c.draft.counts.items())},
             "finish_ms": {k: None if v is None else round(v * 1e3, 1) for k, v in finish.items()},
             "k_histogram_all_calls": {k: c.history.count(k) for k in sorted(set(c.history))}}
 
