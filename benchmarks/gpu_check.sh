@@ -5,12 +5,15 @@
 #      the attention-backend choice),
 #   3. `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh prompt per
 #      call) on text at batch 4 (`auto` chose K ~3 there in session 29 where K = 5 ran 1.3x faster; the
-#      auto row now carries its controller's estimates), then text and LLaVA-shaped prompts at batch 1
-#      with mmspec's and torch's attention choice,
-#   4. with the time left, the static and CUDA-graph rows at batch 1.
+#      auto row now carries its controller's estimates),
+#   4. the bundled testbed models on the GPU: `mmspec bench vlm --device cuda` (captions, batch 1 and 4)
+#      and `mmspec bench imagegen --device cuda` (batch 1 and 8); their device paths were written in
+#      session 29 without a GPU to run them on,
+#   5. with the time left, text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention
+#      choice (`--compile` adds the static and CUDA-graph rows; not run by default).
 # Usage (repository root): bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
 # SECONDS (default 540) bounds the whole script; each step gets what is left. Figures and logs go
-# to OUTDIR (7 files: the device tool brings back at most 8). A `.whl/` folder of wheels (e.g. the transformers version mmspec is tested on) is
+# to OUTDIR (8 files: the device tool brings back at most 8). A `.whl/` folder of wheels (e.g. the transformers version mmspec is tested on) is
 # installed first when present; mmspec itself is installed from this checkout without its
 # dependencies (the machine's torch is used).
 set -u
@@ -42,11 +45,15 @@ echo "== bench gpu: text at batch 4 (auto's choice there: the auto row carries i
 bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 --no-attention-rows \
   --json "$OUT/bench_gpu_b4.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 
-echo "== bench gpu: text and llava at B=1, a fresh prompt per call, mmspec's and torch's attention choice ($(left) s left)"
-bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:1,llava:1 --repeats 2 --deadline-s 150 \
-  --json "$OUT/bench_gpu_b1.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+echo "== bench vlm on the GPU: the testbed VLM's captions at batch 1 and 4 ($(left) s left)"
+bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench vlm --model "$ROOT/assets/testbed/vlm" --device cuda --tasks caption --batch-sizes 1,4 --repeats 2 \
+  --json "$OUT/bench_vlm_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 
-echo "== bench gpu: text B=1 with the static and CUDA-graph rows, as time allows ($(left) s left)"
-bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1 --repeats 2 --compile --no-attention-rows \
-  --json "$OUT/bench_gpu_compile.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+echo "== bench imagegen on the GPU: the testbed generator at batch 1 and 8 ($(left) s left)"
+bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench imagegen --model "$ROOT/assets/testbed/imagegen" --device cuda \
+  --json "$OUT/bench_imagegen_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+
+echo "== bench gpu: text and llava at B=1, mmspec's and torch's attention choice, as time allows ($(left) s left)"
+bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1,llava:1 --repeats 2 --deadline-s 100 \
+  --json "$OUT/bench_gpu_b1.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 echo "== done ($(left) s left)"

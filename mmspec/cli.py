@@ -73,7 +73,7 @@ def cmd_bench_imagegen(args) -> int:
     kw = dict(model=args.model or DEFAULT_MODEL, batch_sizes=args.batch_sizes, images=args.images,
               repeats=args.repeats, guidance_scale=args.guidance_scale, temperature=args.temperature,
               draft_tokens=args.draft_tokens, window=args.window, methods=tuple(args.methods or ()), seed=args.seed,
-              threads=args.threads or 2, judge_images=args.judge_images)
+              threads=args.threads or 2, judge_images=args.judge_images, device=args.device)
     if args.smoke:  # seconds-long check that the benchmark runs end to end; no figures
         kw.update(batch_sizes=(1, 2), images=2, repeats=1, draft_tokens=(2,), window=(3,), judge_images=0)
     _require_model(kw["model"], "bench imagegen")
@@ -252,6 +252,7 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
         g.add_argument("--guidance-scale", type=float, default=None)
         g.add_argument("--temperature", type=float, default=1.0)
         g.add_argument("--judge-images", type=int, default=0, help="judge plain vs lossy rules on N images each")
+        g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
 
 
 from mmspec.bench import SUITES  # noqa: E402  (a plain dict of names, no heavy imports)

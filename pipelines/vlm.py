@@ -105,9 +105,20 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise TypeError(f"drafter must be a DrafterComponent, got {type(drafter).__name__}")
         key = id(drafter)
         if key not in self._built:
-            torch.nn.Module.to(drafter, self.target.dtype)  # (ModelMixin.to warns about fp32 modules; none here)
+            # (ModelMixin.to warns about fp32 modules; none here)
+            torch.nn.Module.to(drafter, device=self.target.device, dtype=self.target.dtype)
             self._built[key] = drafter.build(self._spec_target)  # ValueError if built for another target
         return self._built[key]
+
+    def to(self, *args, **kwargs):
+        """diffusers' `to` (moves the registered target and drafter), then the target's wrap and
+        the built drafters are made again for where the target now is (on CPU the wrap may hold
+        prepacked copies of its weights, which stay behind); other saved drafters follow the
+        target when they are next used."""
+        out = super().to(*args, **kwargs)
+        self._spec_target = HFTarget(self.target)
+        self._built = {}
+        return out
 
     def add_drafter(self, name: str, drafter: DrafterComponent, *, active: bool = True) -> None:
         self._check_drafter(drafter)
@@ -277,18 +288,18 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         images = [image for _, loaded, _ in chunk for image in loaded]
         enc = self.processor(images=images or None, text=[p for _, _, p in chunk], return_tensors="pt", padding=True)
         params = self._spec_target.spec.forward_params
+        device = self.target.device  # the processor's tensors are made on the CPU
         inputs = {k: v for k, v in enc.items() if k in params and k not in ("input_ids", "attention_mask")}
         for k, v in inputs.items():
-            if torch.is_floating_point(v):
-                inputs[k] = v.to(self.target.dtype)
-        ids = enc["input_ids"]
+            inputs[k] = v.to(device, self.target.dtype) if torch.is_floating_point(v) else v.to(device)
+        ids = enc["input_ids"].to(device)
         if self.image_token is not None and images:
             self._check_placeholders(ids, len(images))
         eos = self.target.generation_config.eos_token_id
         if eos is None:
             eos = self.processor.tokenizer.eos_token_id
         pad = self.processor.tokenizer.pad_token_id
-        return speculative_generate(self._spec_target, drafter, ids, enc["attention_mask"], eos_token_id=eos,
+        return speculative_generate(self._spec_target, drafter, ids, enc["attention_mask"].to(device), eos_token_id=eos,
                                     pad_token_id=pad if pad is not None else 0, **options, **inputs)
 
     def _check_placeholders(self, ids, n_images):

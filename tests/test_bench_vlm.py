@@ -50,3 +50,29 @@ def test_bench_vlm_refuses_unknown_variant_drafters():
         main(["bench", "vlm", "--num-scenes", "1", "--length-drafters", "vispec"])
     with pytest.raises(SystemExit, match="tree_drafters .* without tree"):
         main(["bench", "vlm", "--num-scenes", "1", "--tree-drafters", "vispec"])
+
+
+def test_bench_vlm_device_option():
+    """`--device`: cuda without a GPU is refused by name; the report names the device; moving the
+    pipeline (`pipe.to`) rebuilds the target's wrap and the built drafters for the new place and
+    the answers stay the same (on CPU here; the CUDA run is benchmarks/gpu_check.sh's)."""
+    import torch
+
+    from mmspec.bench.vlm import DEFAULT_MODEL, load_pipeline
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            VLMBenchConfig(device="cuda")
+    pipe = load_pipeline(DEFAULT_MODEL)
+    from mmspec.testbed.vlm_eval import scene_size
+    from mmspec.testbed.world import World
+
+    scenes = World(seed=0, split="validation", image_size=scene_size(pipe.processor)).sample(2)
+    images = [s.image for s in scenes]
+    before = pipe(images, max_new_tokens=8).texts
+    wrap = pipe._spec_target
+    assert pipe.to("cpu") is pipe and pipe._spec_target is not wrap and not pipe._built
+    assert pipe(images, max_new_tokens=8).texts == before
+    cfg = VLMBenchConfig(num_scenes=1, batch_sizes=(1,), drafters=("vispec",), tasks=("caption",), max_new_tokens=4,
+                         repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 2), generate=False, device="cpu")
+    assert run(cfg)["model"]["device"] == "cpu"

@@ -54,6 +54,19 @@ def test_bench_imagegen_smoke(folder, tmp_path, capsys):
     assert rows["plain"]["forwards_per_image"] == 16.0 and rows["plain"]["speedup_vs_plain"] == 1.0
     assert report["batches"][0]["verify_cost"]["ratio_to_one_token"]["1"] == 1.0
     assert "speed-up" in capsys.readouterr().out
+    assert report["model"]["device"] == "cpu" and report["config"]["device"] == "cpu"
+
+
+def test_bench_imagegen_refuses_cuda_without_a_gpu(folder):
+    import torch
+
+    from mmspec.bench.imagegen import ImageBenchConfig
+
+    if torch.cuda.is_available():  # a GPU machine accepts it (benchmarks/gpu_check.sh runs it there)
+        assert ImageBenchConfig(device="cuda").device == "cuda"
+    else:
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            main(["bench", "imagegen", "--model", str(folder), "--smoke", "--device", "cuda"])
 
 
 def test_demo_image_section(folder, tmp_path):

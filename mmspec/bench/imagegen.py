@@ -50,10 +50,13 @@ class ImageBenchConfig:
     threads: int | None = 2
     judge_images: int = 0  # > 0: judge plain vs lossy rules on this many images each
     judge_dir: str = str(JUDGE_DIR)
+    device: str = "cpu"  # where the pipeline runs ("cuda": a GPU; timings synchronise the device)
 
     def __post_init__(self):
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for but torch sees no CUDA device; use --device cpu")
         for name in ("draft_tokens", "window"):
             if len(getattr(self, name)) not in (1, len(self.batch_sizes)):
                 raise ValueError(f"{name} needs one value or one per batch size, got {getattr(self, name)}")
@@ -148,6 +151,8 @@ def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConf
         row_steps += s.row_steps
         calls += s.target_calls + s.prefill_calls
         tokens.append(out.tokens)
+    if tokens[-1].is_cuda:
+        torch.cuda.synchronize(tokens[-1].device)  # the host clock times the device's work
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "forwards_per_image": forwards / len(labels), "batch_forwards": calls,
             "mean_accepted_length": emitted / row_steps if row_steps else 1.0, "tokens": torch.cat(tokens)}
@@ -163,18 +168,20 @@ def verify_cost(pipe, B: int, scale: float, widths=(1, 2, 4, 5, 8, 9, 16, 17), c
 
     T = pipe.num_tokens
     target = llamagen_target(pipe.target, scale, num_tokens=T, prepack=pipe.prepack)
-    labels = (torch.arange(B) % pipe.num_classes).view(B, 1)
+    dev = next(pipe.target.parameters()).device
+    labels = (torch.arange(B) % pipe.num_classes).view(B, 1).to(dev)
     target.prefill(labels, torch.ones_like(labels), {}, T, max(widths))
-    tok = torch.zeros(B, dtype=torch.long)
+    tok = torch.zeros(B, dtype=torch.long, device=dev)
     for _ in range(min(context, T - 1)):
         target.verify(tok.view(B, 1), None)
-        target.commit(CommitInfo(path=torch.zeros(B, 1, dtype=torch.long), num_accepted=torch.zeros(B, dtype=torch.long),
-                                 accepted_tokens=torch.zeros(B, 0, dtype=torch.long), next_tokens=tok,
+        target.commit(CommitInfo(path=torch.zeros(B, 1, dtype=torch.long, device=dev),
+                                 num_accepted=torch.zeros(B, dtype=torch.long, device=dev),
+                                 accepted_tokens=torch.zeros(B, 0, dtype=torch.long, device=dev), next_tokens=tok,
                                  num_accepted_list=[0] * B))
-    batches = {Q: torch.randint(pipe.target.args.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q))
+    batches = {Q: torch.randint(pipe.target.args.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q)).to(dev)
                for Q in widths}
     # verify without commit leaves the cache as it was; warm calls per width (mmspec/bench/widths.py)
-    return time_widths(lambda Q: target.verify(batches[Q], None), widths, rounds=calls)
+    return time_widths(lambda Q: target.verify(batches[Q], None), widths, rounds=calls, device=dev)
 
 
 def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str], progress) -> dict:
@@ -193,7 +200,7 @@ def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str],
         for i in range(0, len(labels), 32):
             o = pipe(labels[i:i + 32], guidance_scale=scale, temperature=cfg.temperature, top_k=cfg.top_k,
                      acceptance=acceptance, speculative=kind != "plain", generator=gen, output_type="pt")
-            pixels.append(o.images * 2 - 1)
+            pixels.append((o.images * 2 - 1).cpu())  # the judge runs on the CPU
         out[method] = {k: round(v, 4) for k, v in judge.score(torch.cat(pixels), torch.tensor(labels)).items()}
         progress(f"judge {method}: {out[method]}")
     return out
@@ -211,6 +218,10 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
         torch.set_num_threads(cfg.threads)
     pipe = load_pipeline(cfg.model)
     gpt_drafter = _drafter_model_of(pipe)
+    if cfg.device != "cpu":
+        pipe.to(cfg.device)
+        if gpt_drafter is not None:  # kept beside the pipeline while a Jacobi drafter is active
+            gpt_drafter.to(cfg.device)
     _DRAFTER_MODEL[id(pipe)] = gpt_drafter
     scale = cfg.guidance_scale if cfg.guidance_scale is not None else default_guidance(cfg.model)
     methods = list(cfg.methods) or [m for m in (*METHODS, *WINDOW_METHODS, *STOCK_METHODS)
@@ -222,6 +233,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
         "drafter_parameters": None if gpt_drafter is None else sum(p.numel() for p in gpt_drafter.parameters()),
         "image_tokens": pipe.num_tokens, "codebook": pipe.target.args.vocab_size, "torch_threads": torch.get_num_threads(),
         "kernels": llamagen_target(pipe.target, scale).kernels,  # measured here, once per model
+        "device": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else "cpu",
     }, "batches": []}
     labels = [i % pipe.num_classes for i in range(cfg.images)]
     for bi, B in enumerate(cfg.batch_sizes):
@@ -271,7 +283,7 @@ def format_table(report: dict) -> str:
     drafter = "-" if d is None else f"{d / 1e6:.2f}M"
     lines.append(f"image generation: target {m['target_parameters'] / 1e6:.2f}M params, drafter {drafter}, "
                  f"{m['image_tokens']} tokens/image, codebook {m['codebook']}, guidance "
-                 f"{report['config']['guidance_scale']}, threads {m['torch_threads']}")
+                 f"{report['config']['guidance_scale']}, threads {m['torch_threads']}, device {m.get('device', 'cpu')}")
     if m.get("kernels"):
         lines.append(f"target kernels (measured on this machine; rows '{STOCK.strip()}': stock kernels): {m['kernels']}")
     for e in report["batches"]:

@@ -58,6 +58,7 @@ class VLMBenchConfig:
     draft_lengths: tuple[int, ...] = ()
     length_drafters: tuple[str, ...] = ()  # () = every drafter benchmarked
     generate: bool = True  # also time transformers' own greedy `generate` (row "generate", the peer)
+    device: str = "cpu"  # where the pipeline runs ("cuda": a GPU; timings synchronise the device)
 
     def __post_init__(self):
         if self.num_scenes < 1 or self.repeats < 1 or self.max_new_tokens < 1:
@@ -81,6 +82,8 @@ class VLMBenchConfig:
             raise ValueError("tree_drafters (--tree-drafters) without tree (--tree DEPTH,TOP_K,NODES): pass both")
         if self.length_drafters and not self.draft_lengths:
             raise ValueError("length_drafters (--length-drafters) without draft_lengths (--draft-lengths K,...): pass both")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for but torch sees no CUDA device; use --device cpu")
         if 1 not in self.verify_widths:
             raise ValueError("verify_widths must include 1 (the one-token forward every ratio is taken against)")
 
@@ -162,12 +165,15 @@ def _run_generate(pipe, images, prompts, max_new_tokens: int):
     texts = [pipe._prompt(p, len(imgs)) for p, imgs in zip(prompts, loaded)]
     enc = pipe.processor(images=[i for imgs in loaded for i in imgs] or None, text=texts, return_tensors="pt",
                          padding=True)
-    enc = {k: (v.to(pipe.target.dtype) if torch.is_floating_point(v) else v) for k, v in enc.items()}
+    dev = pipe.target.device
+    enc = {k: (v.to(dev, pipe.target.dtype) if torch.is_floating_point(v) else v.to(dev)) for k, v in enc.items()}
     eos = pipe.target.generation_config.eos_token_id
     eos = pipe.processor.tokenizer.eos_token_id if eos is None else eos
     pad = pipe.processor.tokenizer.pad_token_id
     out = pipe.target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                                pad_token_id=pad if pad is not None else 0)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
     wall = time.perf_counter() - t0
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     seqs = []
@@ -211,14 +217,15 @@ def verify_cost(pipe, images, B: int, widths, calls: int = 20) -> dict:
     imgs = [images[i % len(images)] for i in range(B)]
     enc = pipe.processor(images=imgs, text=[pipe._prompt(None, 1)] * B, return_tensors="pt", padding=True)
     params = pipe._spec_target.spec.forward_params
-    inputs = {k: (v.float() if torch.is_floating_point(v) else v) for k, v in enc.items()
+    dev = pipe.target.device
+    inputs = {k: (v.to(dev, pipe.target.dtype) if torch.is_floating_point(v) else v.to(dev)) for k, v in enc.items()
               if k in params and k not in ("input_ids", "attention_mask")}
     target = pipe._spec_target
-    target.prefill(enc["input_ids"], enc["attention_mask"], inputs, 8, max(widths), FeatureRequest())
-    batches = {Q: torch.randint(5, target.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q))
+    target.prefill(enc["input_ids"].to(dev), enc["attention_mask"].to(dev), inputs, 8, max(widths), FeatureRequest())
+    batches = {Q: torch.randint(5, target.vocab_size, (B, Q), generator=torch.Generator().manual_seed(Q)).to(dev)
                for Q in widths}
     # verify without commit leaves the cache as it was; warm calls per width (mmspec/bench/widths.py)
-    return time_widths(lambda Q: target.verify(batches[Q], None), widths, rounds=calls)
+    return time_widths(lambda Q: target.verify(batches[Q], None), widths, rounds=calls, device=dev)
 
 
 def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
@@ -227,6 +234,8 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     pipe = load_pipeline(cfg.model)
+    if cfg.device != "cpu":
+        pipe.to(cfg.device)
     names = list(cfg.drafters) or sorted(pipe.drafters)
     unknown = [n for n in names if n not in pipe.drafters]
     if unknown:
@@ -256,6 +265,7 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
                       else None) for n, d in pipe.drafters.items()},
         "default_drafter": next((n for n, d in pipe.drafters.items() if d is pipe.drafter), None),
         "visual_tokens": getattr(t.config, "image_seq_length", None), "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
     }, "runs": []}
     for B in cfg.batch_sizes:
         progress(f"batch {B}: verify cost")
@@ -299,7 +309,7 @@ def format_table(report: dict) -> str:
     lines = [f"VLM: target {m['target_parameters'] / 1e6:.2f}M params, {m['visual_tokens']} visual tokens, drafters "
              + ", ".join(f"{n} ({m['drafter_kinds'][n]}, {p / 1e6:.2f}M, {_shape(m, n)})"
                          for n, p in m["drafter_parameters"].items())
-             + f"; default {m['default_drafter']}; threads {m['torch_threads']}"]
+             + f"; default {m['default_drafter']}; threads {m['torch_threads']}; device {m.get('device', 'cpu')}"]
     for r in report["runs"]:
         ratio = r["verify_cost"]["ratio_to_one_token"]
         lines.append(f"\n{r['task']}, batch {r['batch_size']}, {r['scenes']} scenes; verify cost / one-token forward: "
@@ -395,6 +405,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--length-drafters", type=names, default=(),
                    help="drafters to run with --draft-lengths (default: all)")
     p.add_argument("--no-generate", action="store_true", help="do not time transformers' own generate beside plain")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     a = p.parse_args(argv)
     try:
@@ -403,7 +414,7 @@ def main(argv: list[str]) -> int:
                                 repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree,
                                 tree_drafters=a.tree_drafters, auto_drafters=a.auto_drafters,
                                 auto_max_draft_tokens=a.auto_max_draft_tokens, draft_lengths=a.draft_lengths,
-                                length_drafters=a.length_drafters, generate=not a.no_generate)
+                                length_drafters=a.length_drafters, generate=not a.no_generate, device=a.device)
         report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None

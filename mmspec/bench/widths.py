@@ -16,10 +16,20 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
 
-def time_widths(call: Callable[[int], object], widths, rounds: int = 20, warm: int = 2) -> dict:
+
+def time_widths(call: Callable[[int], object], widths, rounds: int = 20, warm: int = 2, device=None) -> dict:
     """`call(Q)` runs one forward of width Q. Returns {"seconds": {Q: median}, "ratio_to_one_token":
-    {Q: median / median at Q = 1}} (string keys, as saved in the bench JSON)."""
+    {Q: median / median at Q = 1}} (string keys, as saved in the bench JSON). On a CUDA `device`
+    every call is followed by a device sync, so the host clock times the device's work."""
+    if device is not None and torch.device(device).type == "cuda":
+        inner = call
+
+        def call(Q):
+            out = inner(Q)
+            torch.cuda.synchronize(device)
+            return out
     widths = list(widths)
     if 1 not in widths:
         raise ValueError(f"widths must include 1 (the one-token forward every ratio is taken against), got {widths}")
