@@ -73,6 +73,10 @@ def test_bench_vlm_device_option():
     wrap = pipe._spec_target
     assert pipe.to("cpu") is pipe and pipe._spec_target is not wrap and not pipe._built
     assert pipe(images, max_new_tokens=8).texts == before
+    pipe.to(torch.float64)  # a dtype move re-wraps too: the loop runs in the target's new dtype
+    assert pipe._spec_target.spec.dtype == torch.float64
+    spec = pipe(images, max_new_tokens=8)
+    assert spec.texts == pipe(images, max_new_tokens=8, speculative=False).texts and spec.stats.mean_accepted_length > 1
     cfg = VLMBenchConfig(num_scenes=1, batch_sizes=(1,), drafters=("vispec",), tasks=("caption",), max_new_tokens=4,
                          repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 2), generate=False, device="cpu")
     assert run(cfg)["model"]["device"] == "cpu"
