@@ -62,11 +62,15 @@ def check_mode(attention) -> str:
 def geometry(spec) -> tuple[int, int, int]:
     """(heads, kv heads, head dim) of a spec's model, from its config (a fallback for specs
     without one: the measurement's per-shape costs barely depend on it)."""
-    model = getattr(spec, "model", None)
-    config = getattr(model, "config", None)
+    config = getattr(getattr(spec, "model", None), "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    # transformers' names, else LlamaGen's (n_head, n_kv_head, dim)
+    return config_geometry(config)
+
+
+def config_geometry(config) -> tuple[int, int, int]:
+    """(heads, kv heads, head dim) from a config with transformers' names, else LlamaGen's
+    (n_head, n_kv_head, dim); (32, 32, 128) when it has neither."""
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "dim", None)
     if not heads or not hidden:
@@ -120,28 +124,24 @@ def _measure(device, dtype, heads, kv_heads, head_dim) -> dict:
         record.update(chosen="torch", why=why)
         return {"backends": None, "record": record}
     start = time.perf_counter()
-    samples = {"torch": [], "without_cudnn": []}
-    spent = {"torch": 0.0, "without_cudnn": 0.0}
     sets = {"torch": stock, "without_cudnn": without}
-    for name, backends in sets.items():  # warm-up: library handles and kernels load once per process
+    samples = {"torch": [], "without_cudnn": []}
+    # A warm-up call each (library handles and kernels load once per process), then alternating
+    # rounds; a candidate past the time cap with two samples is not sampled again.
+    order = [("torch", False), ("without_cudnn", False)]
+    for i in range(SAMPLES):
+        order += [(n, True) for n in (("torch", "without_cudnn") if i % 2 == 0 else ("without_cudnn", "torch"))]
+    for name, kept in order:
+        if kept and sum(samples[name]) > TIME_CAP_S and len(samples[name]) >= 2:
+            continue
         try:
-            with sdpa_kernel(backends):
-                _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
+            with sdpa_kernel(sets[name]):
+                s = _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
         except RuntimeError as e:  # no kernel of the set runs this input: keep torch's choice
             record.update(chosen="torch", why=f"{name} failed: {str(e).splitlines()[0][:200]}")
             return {"backends": None, "record": record}
-    for i in range(SAMPLES):
-        for name in (("torch", "without_cudnn") if i % 2 == 0 else ("without_cudnn", "torch")):
-            if spent[name] > TIME_CAP_S and len(samples[name]) >= 2:
-                continue
-            try:
-                with sdpa_kernel(sets[name]):
-                    s = _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim)
-            except RuntimeError as e:  # no kernel of the set runs this input: keep torch's choice
-                record.update(chosen="torch", why=f"{name} failed: {str(e).splitlines()[0][:200]}")
-                return {"backends": None, "record": record}
+        if kept:
             samples[name].append(s)
-            spent[name] += s
     ms = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
     record["fresh_shape_ms"] = {name: round(v, 3) for name, v in ms.items()}
     take = ms["without_cudnn"] < MARGIN * ms["torch"]
@@ -171,20 +171,21 @@ def backends_for_geometry(device, dtype: torch.dtype, heads: int, kv_heads: int,
     return choice["backends"]
 
 
-def step_attention(x: torch.Tensor, config, mode: str = "auto"):
-    """The context a module running its own attention on `x` enters: the measured backends
-    on CUDA (mode "auto"), else a no-op. `config` names its heads the transformers way
-    (`num_attention_heads`, `num_key_value_heads`, `hidden_size`)."""
-    backends = None
-    if mode == "auto" and x.device.type == "cuda":
-        heads = config.num_attention_heads
-        backends = backends_for_geometry(x.device, x.dtype, heads, getattr(config, "num_key_value_heads", heads),
-                                         config.hidden_size // heads)
+def context(backends: list | None):
+    """The context a forward runs in: `sdpa_kernel(backends)`, or a no-op for None."""
     if backends is None:
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel
 
     return sdpa_kernel(backends)
+
+
+def step_attention(x: torch.Tensor, config, mode: str = "auto"):
+    """The context a module running its own attention on `x` enters: the measured backends
+    on CUDA (mode "auto"), else a no-op (`config`: see `config_geometry`)."""
+    if mode != "auto" or x.device.type != "cuda":
+        return contextlib.nullcontext()
+    return context(backends_for_geometry(x.device, x.dtype, *config_geometry(config)))
 
 
 def choices() -> dict:

@@ -155,16 +155,12 @@ class SpecRunner:
         else:
             self.kv = RaggedKV(self.spec.num_layers, attention_mask, max_slots)
         attention = self.kv.plan_prefill(attention_mask)
-        if not self.static and input_ids.device.type == "cuda":
-            from mmspec.attention_choice import backends_for
+        from mmspec.attention_choice import backends_for, context
 
-            self._sdpa = backends_for(self.spec, input_ids.device, self.spec.dtype, self.attention)
-        if self._sdpa is not None and input_ids.device.type == "cuda" and not self.static:
-            from torch.nn.attention import sdpa_kernel
-
-            with sdpa_kernel(self._sdpa):  # the prompt's length is a fresh shape too
-                out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
-        else:
+        # None on CPU, for static shapes (plans repeat within a request) and with mode "torch"
+        self._sdpa = None if self.static else backends_for(self.spec, input_ids.device, self.spec.dtype,
+                                                           self.attention)
+        with context(self._sdpa):  # the prompt's length is a fresh shape too
             out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
         self.kv.scrub_padding()
         if self.compile is not None:
@@ -187,10 +183,10 @@ class SpecRunner:
     ) -> SpecOutput:
         if not self.static:
             attention = self.kv.plan(depth, tree_visible, uncommitted, sees_region=sees_region)
-            if self._sdpa is not None and tokens.device.type == "cuda":
-                from torch.nn.attention import sdpa_kernel
+            if self._sdpa is not None:  # CUDA, measured (the CPU path stays free of any context)
+                from mmspec.attention_choice import context
 
-                with sdpa_kernel(self._sdpa):
+                with context(self._sdpa):
                     return self._step(tokens, attention, self.kv, self.features, last_only=last_only)
             return self._step(tokens, attention, self.kv, self.features, last_only=last_only)
         return self._static_forward(tokens, depth, tree_visible, uncommitted, last_only, queries)

@@ -44,13 +44,18 @@ def test_torch_choice_kept_within_the_margin(monkeypatch):
     assert choice["backends"] is None and choice["record"]["chosen"] == "torch"
 
 
+def _measure_with_disabled(enable) -> dict:
+    """`_measure` while one backend is switched off by its `torch.backends.cuda.enable_*` flag."""
+    enable(False)
+    try:
+        return ac._measure("cuda", torch.bfloat16, 32, 32, 128)
+    finally:
+        enable(True)
+
+
 def test_nothing_to_choose_when_cudnn_is_off(monkeypatch):
     calls = _fake_timing(monkeypatch, cudnn_ms=30.0, other_ms=1.0)
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        choice = ac._measure("cuda", torch.bfloat16, 32, 32, 128)
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+    choice = _measure_with_disabled(torch.backends.cuda.enable_cudnn_sdp)
     assert choice["backends"] is None and "not enabled" in choice["record"]["why"] and not calls
 
 
@@ -117,11 +122,7 @@ def test_no_choice_without_the_math_fallback_or_when_a_set_fails(monkeypatch):
     """The set without cuDNN is only taken when it keeps the math backend (a kernel for every
     input), and a set that raises while measured leaves torch's choice in place (reported)."""
     calls = _fake_timing(monkeypatch, cudnn_ms=30.0, other_ms=1.0)
-    torch.backends.cuda.enable_math_sdp(False)
-    try:
-        choice = ac._measure("cuda", torch.bfloat16, 32, 32, 128)
-    finally:
-        torch.backends.cuda.enable_math_sdp(True)
+    choice = _measure_with_disabled(torch.backends.cuda.enable_math_sdp)
     assert choice["backends"] is None and "math" in choice["record"]["why"] and not calls
 
     def failing(device, dtype, heads, kv_heads, head_dim):

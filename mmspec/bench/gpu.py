@@ -34,7 +34,6 @@ not fit and says so. On a machine without CUDA it refuses `--device cuda`; `--sh
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -198,8 +197,9 @@ def controller_state(c, batch: int, new_tokens: int) -> dict:
 
 def _workload(config, target, drafter, name, B, progress, compile_rows):
     import mmspec
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
+    from mmspec.attention_choice import backends_for, context
     from mmspec.bench.forced import ForcedDrafter, scripted_tokens
     from mmspec.drafters import ModelDrafter, NullDrafter
     from mmspec.models.hf_target import HFTarget
@@ -212,7 +212,7 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
     # References and recorded forwards run on the math backend (CUDA): no per-shape plan of a
     # fused backend is cached before the timed calls meet their shapes (fresh prompts).
     def untimed():
-        return sdpa_kernel([SDPBackend.MATH]) if cuda and config.fresh_prompts else contextlib.nullcontext()
+        return context([SDPBackend.MATH] if cuda and config.fresh_prompts else None)
     with torch.no_grad(), untimed():
         refs = [target.generate(**g) for g in gens]
     scripts = [scripted_tokens(ref[:, i.shape[1]:], config.alpha, V, extra=max(config.max_draft_tokens, K) + 2,
@@ -250,12 +250,10 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
         replays.append(_replay({"target": target, "drafter": drafter}, i, m, log))
     # The ideal runs its forwards under the attention backends mmspec chose for this model (the
     # same kernels as the measured rows), else a fresh prompt's shapes would charge it plan builds.
-    from mmspec.attention_choice import backends_for
-
-    chosen = backends_for(tgt.spec, dev, next(target.parameters()).dtype) if cuda else None
+    chosen = backends_for(tgt.spec, dev, next(target.parameters()).dtype)
 
     def ideal(p):
-        with (sdpa_kernel(chosen) if chosen is not None else contextlib.nullcontext()):
+        with context(chosen):
             return replays[p]()
     methods["ideal"] = ideal
     with torch.no_grad():  # traces are per capacity bucket, not per attention shape: build them all before timing
