@@ -184,6 +184,7 @@ def step_attention(x: torch.Tensor, config, mode: str = "auto"):
     """The context a module running its own attention on `x` enters: the measured backends
     on CUDA (mode "auto"), else a no-op (`config`: see `config_geometry`)."""
     if mode != "auto" or x.device.type != "cuda":
+        check_mode(mode)  # "torch", or a value that is refused by name rather than ignored
         return contextlib.nullcontext()
     return context(backends_for_geometry(x.device, x.dtype, *config_geometry(config)))
 

@@ -107,6 +107,9 @@ def test_eagle_head_asks_for_its_own_geometry_on_cuda_only(monkeypatch):
     with ac.step_attention(on_cuda, cfg, "torch"):
         assert torch.backends.cuda.cudnn_sdp_enabled()
     assert len(asked) == 1
+    head.attention = "cudnn"  # not a mode: refused by name, not silently treated as "torch"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        head.decode(x, torch.arange(3).unsqueeze(0), torch.ones(1, 3, 3, dtype=torch.bool).tril())
 
 
 def test_geometry_reads_llamagen_configs():
