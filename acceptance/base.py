@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import sample_from
+from mmspec.sampling import draw, sample_from
 from mmspec.types import AcceptanceResult
 
 
@@ -123,7 +123,7 @@ class ChainRule:
             x.reshape(-1), p.reshape(-1, V), None if draft_probs is None else draft_probs.reshape(-1, V)
         )
         alpha = alpha.view(B, K)
-        u = torch.rand(B, K, generator=generator, dtype=dtype, device=alpha.device)
+        u = draw(torch.rand, B, K, generator=generator, dtype=dtype, device=alpha.device)
         accepted = u < alpha  # alpha == 1 always accepts (u < 1), alpha == 0 never does
         num_accepted = accepted.long().cumprod(1).sum(1)  # [B]
         # Residual at the first rejection; the bonus row K takes p_K as it is.

@@ -49,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.sampling import draw
+
 
 @dataclass
 class ContinuousResult:
@@ -130,11 +132,11 @@ class ContinuousAcceptance:
         done = 0
         while done < self.max_tries:  # fixed number of blocks: no data-dependent exit, no sync
             T = min(self.tries_per_block, self.max_tries - done)
-            eps = torch.randn(T, N, D, generator=generator, dtype=target_mean.dtype, device=target_mean.device)
+            eps = draw(torch.randn, T, N, D, generator=generator, dtype=target_mean.dtype, device=target_mean.device)
             y = target_mean + target_std * eps  # [T, N, D]
             lr = self.log_ratio(y, draft_mean, draft_std, target_mean, target_std, offset)  # [T, N]
             keep_prob = (-torch.expm1(-lr)).clamp(0.0, 1.0)  # max(0, 1 - 1/r(y)), overflow-safe
-            u = torch.rand(T, N, generator=generator, dtype=target_mean.dtype, device=target_mean.device)
+            u = draw(torch.rand, T, N, generator=generator, dtype=target_mean.dtype, device=target_mean.device)
             ok = u < keep_prob
             first = ok.long().argmax(0)  # first success in this block (0 if none)
             any_ok = ok.any(0)
@@ -143,7 +145,7 @@ class ContinuousAcceptance:
             found = found | any_ok
             done += T
         # Explicit fallback: a plain sample of the target's Gaussian, flagged and counted.
-        eps = torch.randn(N, D, generator=generator, dtype=target_mean.dtype, device=target_mean.device)
+        eps = draw(torch.randn, N, D, generator=generator, dtype=target_mean.dtype, device=target_mean.device)
         out = torch.where(found.unsqueeze(-1), out, target_mean + target_std * eps)
         return out, ~found
 
@@ -205,7 +207,7 @@ class ContinuousAcceptance:
         offset = self._offset(draft_logstd_sum, target_logstd_sum, x)  # [B, K]
         lr = self.accept_log_ratio(x, mq, sq, mp, sp, offset)
         alpha = torch.exp(lr.clamp(max=0.0))  # min(1, r)
-        u = torch.rand(B, K, generator=generator, dtype=dtype, device=x.device)
+        u = draw(torch.rand, B, K, generator=generator, dtype=dtype, device=x.device)
         accepted = u < alpha
         resid, fb = self.sample_residual(
             mq.reshape(-1, D), sq.reshape(-1, D), mp.reshape(-1, D), sp.reshape(-1, D), offset.reshape(-1), generator
@@ -242,7 +244,7 @@ class ContinuousAcceptance:
         dtype = torch.float64 if draft_samples.dtype == torch.float64 else torch.float32
         x, mq, sq, mp, sp = (t.to(dtype) for t in (draft_samples, draft_mean, draft_std, target_mean, target_std))
         rows = torch.arange(B, device=x.device)
-        bonus_eps = torch.randn(B, D, generator=generator, dtype=dtype, device=x.device)
+        bonus_eps = draw(torch.randn, B, D, generator=generator, dtype=dtype, device=x.device)
         bonus = mp[:, K] + sp[:, K] * bonus_eps
         if K == 0:
             empty = torch.zeros(B, 0, dtype=torch.bool, device=x.device)
@@ -253,7 +255,7 @@ class ContinuousAcceptance:
         offset = self._offset(draft_logstd_sum, target_logstd_sum, x)  # [B, K]
         lr = self.accept_log_ratio(x, mq, sq, mp[:, :K], sp[:, :K], offset)
         alpha = torch.exp(lr.clamp(max=0.0))
-        u = torch.rand(B, K, generator=generator, dtype=dtype, device=x.device)
+        u = draw(torch.rand, B, K, generator=generator, dtype=dtype, device=x.device)
         accepted = u < alpha
         num_accepted = accepted.long().cumprod(1).sum(1)
         at = num_accepted.clamp(max=K - 1)

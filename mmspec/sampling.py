@@ -83,6 +83,15 @@ def check_finite_probs(probs: torch.Tensor, what: str) -> torch.Tensor:
     return probs
 
 
+def draw(fn, *shape, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
+    """``fn(*shape)`` (``torch.rand`` / ``torch.randn``) drawn on the generator's device and moved to
+    ``device``: a CPU generator (diffusers' convention for reproducible seeds) drives a CUDA model,
+    and the same seed gives the same numbers on either device."""
+    where = generator.device if generator is not None else device
+    out = fn(*shape, generator=generator, dtype=dtype, device=where)
+    return out if device is None else out.to(device)
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """probs [B, V] (non-negative weights, not necessarily normalised) -> tokens [B].
 
@@ -107,8 +116,7 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     bad = ~(torch.isfinite(total) & (total > 0) & (probs.amin(-1, keepdim=True) >= 0))
     cdf = torch.where(bad, torch.arange(1, probs.shape[-1] + 1, device=cdf.device, dtype=cdf.dtype), cdf)
     total = cdf[:, -1:]
-    where = generator.device if generator is not None else probs.device
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=where, dtype=cdf.dtype).to(cdf.device) * total
+    u = draw(torch.rand, probs.shape[0], 1, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 

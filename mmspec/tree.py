@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from mmspec.sampling import draw
 from mmspec.types import Draft, Verdict
 
 
@@ -88,7 +89,7 @@ def verify_tree(
         if d is not None:
             contrib = torch.where(is_child, d, torch.zeros_like(d))
             distortion = contrib if distortion is None else distortion + contrib
-        u = torch.rand(B, generator=generator, dtype=dtype, device=device)
+        u = draw(torch.rand, B, generator=generator, dtype=dtype, device=device)
         take = is_child & (u < alpha)
         reject = is_child & ~take
         # Rejected sibling: continue at the same node with the rule's residual.

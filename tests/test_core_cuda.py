@@ -75,3 +75,22 @@ def test_attention_backend_choice_keeps_greedy_output_on_cuda(attention):
         if "fresh_shape_ms" in record:
             assert all(v > 0 for v in record["fresh_shape_ms"].values())
         print("attention choice at 32 heads x 128, bfloat16:", record)
+
+
+def test_cpu_generator_drives_rules_on_cuda():
+    """diffusers' convention: a CPU generator with a CUDA model. The exact rule's draws are made on
+    the generator's device and moved, so the same seed gives the same verdict on CPU and CUDA
+    tensors (the draws are identical; the arithmetic on them is exact comparisons)."""
+    from mmspec.acceptance import ExactAcceptance
+
+    g = torch.Generator().manual_seed(0)
+    B, K, V = 3, 4, 11
+    p = torch.rand(B, K + 1, V, generator=g, dtype=torch.float64).softmax(-1)
+    q = torch.rand(B, K, V, generator=g, dtype=torch.float64).softmax(-1)
+    x = torch.randint(V, (B, K), generator=g)
+    rule = ExactAcceptance()
+    on_cpu = rule.verify(x, q, p, generator=torch.Generator().manual_seed(7))
+    on_gpu = rule.verify(x.cuda(), q.cuda(), p.cuda(), generator=torch.Generator().manual_seed(7))
+    assert on_gpu.next_tokens.device.type == "cuda"
+    assert torch.equal(on_cpu.num_accepted, on_gpu.num_accepted.cpu())
+    assert torch.equal(on_cpu.next_tokens, on_gpu.next_tokens.cpu())

@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 import torch
+
+from mmspec.sampling import draw
 import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
@@ -228,16 +230,16 @@ class MARModel(ModelMixin, ConfigMixin):
         x = self.patchify(latents)
         B, L, D = x.shape
         dev = x.device
-        order = torch.rand(B, L, generator=generator, device=dev).argsort(1)
+        order = draw(torch.rand, B, L, generator=generator, device=dev).argsort(1)
         while True:  # truncated normal by rejection (acceptance ~ 0.4)
-            r = 1.0 + 0.25 * float(torch.randn(1, generator=generator, device=dev))
+            r = 1.0 + 0.25 * float(draw(torch.randn, 1, generator=generator, device=dev))
             if cfg.mask_ratio_min <= r <= 1.0:
                 break
         n_mask = int(math.ceil(L * r))
         masked = torch.zeros(B, L, dtype=torch.bool, device=dev)
         masked.scatter_(1, order[:, :n_mask], True)
         emb = self.class_emb(class_labels)
-        drop = (torch.rand(B, generator=generator, device=dev) < cfg.label_drop_prob)[:, None]
+        drop = (draw(torch.rand, B, generator=generator, device=dev) < cfg.label_drop_prob)[:, None]
         emb = torch.where(drop, self.fake_latent.expand(B, -1), emb)
         z = self.forward_z(x, ~masked, emb)
         mul = cfg.diffusion_batch_mul

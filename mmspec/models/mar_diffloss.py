@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from mmspec.sampling import draw
 import torch.nn as nn
 
 
@@ -266,8 +268,8 @@ class DiffLoss(nn.Module):
         s = self.train_schedule
         N, D = target.shape
         dev = target.device
-        t = torch.randint(0, s.num_steps, (N,), device=dev, generator=generator)
-        noise = torch.randn(target.shape, device=dev, dtype=target.dtype, generator=generator)
+        t = draw(torch.randint, 0, s.num_steps, (N,), generator=generator, device=dev)
+        noise = draw(torch.randn, target.shape, dtype=target.dtype, generator=generator, device=dev)
         g = lambda a: a.to(dev, target.dtype)[t][:, None]
         x_t = g(s.sqrt_ac) * target + g(s.sqrt_1m_ac) * noise
         out = self.net(x_t, t, z)
