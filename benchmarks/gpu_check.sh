@@ -21,6 +21,8 @@ OUT=${1:?usage: gpu_check.sh OUTDIR [SECONDS]}
 BUDGET=${2:-540}
 END=$(( $(date +%s) + BUDGET ))
 left() { echo $(( END - $(date +%s) )); }
+STEPS=",${STEPS:-tests,vlm,imagegen,b4,b1},"  # which steps to run (comma-separated)
+step() { case "$STEPS" in *",$1,"*) return 0;; *) return 1;; esac; }
 bounded() { local s=$1; shift; if [ "$s" -gt 10 ]; then timeout "$s" "$@"; else echo "skipped (no time left): $*"; fi; }
 mkdir -p "$OUT"
 ROOT=$(pwd)
@@ -29,31 +31,43 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mmspec_deps .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/mmspec_deps
 fi
+rm -rf /tmp/mmspec_site  # a warm machine keeps the last call's install; pip would not replace it
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/mmspec_site . || exit 1
 export PYTHONPATH=/tmp/mmspec_site${PYTHONPATH:+:$PYTHONPATH}
 cd /tmp  # so that the checkout's mmspec/ folder does not shadow the installed package
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, transformers, mmspec; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/env.txt"
 
-echo "== attention on fresh shapes, per backend ($(left) s left)"
-bounded 60 python3 "$ROOT/benchmarks/sdpa_fresh_shapes.py" --json "$OUT/sdpa_fresh_shapes.json" 2>&1 | tee -a "$OUT/env.txt"
-
+if step tests; then
 echo "== tests/test_core_cuda.py ($(left) s left)"
 bounded $(( $(left) > 200 ? 150 : $(left) - 40 )) python3 -m pytest -q -s -p no:cacheprovider "$ROOT/tests/test_core_cuda.py" 2>&1 | tee "$OUT/test_core_cuda.log"
+fi
 
+if step vlm; then
+echo "== bench vlm on the GPU: the testbed VLM's captions at batch 1 and 4 ($(left) s left)"
+bounded $(( $(left) > 160 ? 120 : $(left) - 40 )) python3 -m mmspec.cli bench vlm --model "$ROOT/assets/testbed/vlm" --device cuda --tasks caption --batch-sizes 1,4 --repeats 2 \
+  --json "$OUT/bench_vlm_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+fi
+
+if step imagegen; then
+echo "== bench imagegen on the GPU: the testbed generator at batch 1 and 8 ($(left) s left)"
+bounded $(( $(left) > 160 ? 120 : $(left) - 40 )) python3 -m mmspec.cli bench imagegen --model "$ROOT/assets/testbed/imagegen" --device cuda \
+  --json "$OUT/bench_imagegen_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+fi
+
+if step b4; then
 echo "== bench gpu: text at batch 4 (auto's choice there: the auto row carries its controller's state) ($(left) s left)"
 bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 --no-attention-rows \
   --json "$OUT/bench_gpu_b4.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+fi
 
-echo "== bench vlm on the GPU: the testbed VLM's captions at batch 1 and 4 ($(left) s left)"
-bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench vlm --model "$ROOT/assets/testbed/vlm" --device cuda --tasks caption --batch-sizes 1,4 --repeats 2 \
-  --json "$OUT/bench_vlm_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
-
-echo "== bench imagegen on the GPU: the testbed generator at batch 1 and 8 ($(left) s left)"
-bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench imagegen --model "$ROOT/assets/testbed/imagegen" --device cuda \
-  --json "$OUT/bench_imagegen_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
-
+if step b1; then
 echo "== bench gpu: text and llava at B=1, mmspec's and torch's attention choice, as time allows ($(left) s left)"
 bounded $(( $(left) - 10 )) python3 -m mmspec.cli bench gpu --workloads text:1,llava:1 --repeats 2 --deadline-s 100 \
   --json "$OUT/bench_gpu_b1.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+fi
+if [ "${SDPA_PROBE:-0}" = 1 ]; then
+echo "== attention on fresh shapes, per backend ($(left) s left)"
+  bounded 60 python3 "$ROOT/benchmarks/sdpa_fresh_shapes.py" --json "$OUT/sdpa_fresh_shapes.json" 2>&1 | tee -a "$OUT/env.txt"
+fi
 echo "== done ($(left) s left)"
