@@ -91,7 +91,19 @@ from collections import defaultdict
 class _LinearCost:
     """seconds ~ c0 + c1 * tokens, a least-squares line kept as discounted running sums (O(1)
     per step, no history kept); plus running means for each observed key, which are
-    preferred when present."""
+    preferred when present.
+
+    A key's first observation is provisional. A shape's first run pays one-time costs: on the
+    H100 of session 30 the keys `auto` had seen once cost 30-160% more than the same batch's
+    repeated keys (kernel and plan selection, allocator growth; the cold steps right after a
+    prefill add theirs). Averaged in at decay 0.9 such a first reading took ~15 more
+    observations to fade, and a shape that looks dear is rarely chosen again (probes come every
+    16-64 steps): `auto` stayed at K = 3 where K = 5-8 ran faster. So (1) a cheaper second
+    observation replaces the first instead of being averaged with it, and (2) while a key has
+    been seen once, its estimate is at most what the line through repeated observations (of
+    other keys) predicts for it, so the controller tries it once more before trusting it: at
+    most one extra step per shape.
+    """
 
     # An observation counts at most this many times the running mean of its key: the rest of
     # the machine only ever slows a step down (another process, a page fault, a timer), and one
@@ -102,40 +114,56 @@ class _LinearCost:
     def __init__(self, decay: float):
         self.decay = decay
         self.means: dict = {}
-        self.counts: dict = {}  # observations per key (diagnostics: a mean of few is mostly its first)
-        self.sums = [0.0] * 5  # weight, sum x, sum y, sum xx, sum xy (discounted)
-        self._line: tuple[float, float] | None = None
+        self.counts: dict = {}  # observations per key
+        # Least-squares sums (weight, sum x, sum y, sum xx, sum xy; discounted): over every
+        # observation (the estimate of keys never seen) and over repeat observations only.
+        self.sums = [0.0] * 5
+        self.repeat_sums = [0.0] * 5
+        self._lines: dict = {}
 
     def observe(self, key, tokens: float, seconds: float) -> None:
         old = self.means.get(key)
-        if old is not None:
-            seconds = min(seconds, self.clip * old)
-        self.means[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
-        self.counts[key] = self.counts.get(key, 0) + 1
-        g = 0.99  # the line forgets slowly: it only fills in shapes not seen yet
-        w, sx, sy, sxx, sxy = (v * g for v in self.sums)
-        self.sums = [w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds]
-        self._line = None
+        n = self.counts.get(key, 0)
+        if old is None or (n == 1 and seconds < old):
+            self.means[key] = seconds
+        else:
+            self.means[key] = self.decay * old + (1 - self.decay) * min(seconds, self.clip * old)
+        self.counts[key] = n + 1
+        g = 0.99  # the lines forget slowly: they only fill in shapes not (or once) seen
+        for sums in (self.sums, self.repeat_sums) if n else (self.sums,):
+            w, sx, sy, sxx, sxy = (v * g for v in sums)
+            sums[:] = [w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds]
+        self._lines = {}
 
-    def line(self) -> tuple[float, float] | None:
-        if self._line is None:
-            w, sx, sy, sxx, sxy = self.sums
-            if w <= 0:
-                return None
-            mx, my = sx / w, sy / w
-            var = sxx / w - mx * mx
-            slope = (sxy / w - mx * my) / var if var > 1e-12 else 0.0
-            self._line = (my, max(slope, 0.0), mx)  # more tokens never cost less
-        return self._line
+    def line(self, repeats: bool = False) -> tuple[float, float, float] | None:
+        """(mean seconds, slope >= 0, mean tokens) of the fit, or None before any observation."""
+        if repeats not in self._lines:
+            w, sx, sy, sxx, sxy = self.repeat_sums if repeats else self.sums
+            fit = None
+            if w > 0:
+                mx, my = sx / w, sy / w
+                var = sxx / w - mx * mx
+                slope = (sxy / w - mx * my) / var if var > 1e-12 else 0.0
+                fit = (my, max(slope, 0.0), mx)  # more tokens never cost less
+            self._lines[repeats] = fit
+        return self._lines[repeats]
 
-    def estimate(self, key, tokens: float) -> float | None:
-        if key in self.means:
-            return self.means[key]
-        line = self.line()
+    def _predict(self, tokens: float, repeats: bool = False) -> float | None:
+        line = self.line(repeats)
         if line is None:
             return None
         my, slope, mx = line
         return max(my + slope * (tokens - mx), 0.0)
+
+    def estimate(self, key, tokens: float) -> float | None:
+        mean = self.means.get(key)
+        if mean is None:
+            return self._predict(tokens)
+        if self.counts[key] == 1:
+            again = self._predict(tokens, repeats=True)
+            if again is not None:
+                return min(mean, again)
+        return mean
 
 
 class DraftLengthController:
