@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # The GPU checks in one call, for a machine with one NVIDIA GPU and no network:
-#   1. what one attention call costs on a never-seen shape per backend (benchmarks/sdpa_fresh_shapes.py),
-#   2. tests/test_core_cuda.py (greedy equality on CUDA: eager, static, CUDA graphs; chains and trees;
-#      the attention-backend choice),
-#   3. `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh prompt per
-#      call) on text at batch 4 (`auto` chose K ~3 there in session 29 where K = 5 ran 1.3x faster; the
-#      auto row now carries its controller's estimates),
-#   4. the bundled testbed models on the GPU: `mmspec bench vlm --device cuda` (captions, batch 1 and 4)
-#      and `mmspec bench imagegen --device cuda` (batch 1 and 8); their device paths were written in
-#      session 29 without a GPU to run them on,
-#   5. with the time left, text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention
-#      choice (`--compile` adds the static and CUDA-graph rows; not run by default).
-# Usage (repository root): bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
-# SECONDS (default 540) bounds the whole script; each step gets what is left. Figures and logs go
-# to OUTDIR (8 files: the device tool brings back at most 8). A `.whl/` folder of wheels (e.g. the transformers version mmspec is tested on) is
-# installed first when present; mmspec itself is installed from this checkout without its
-# dependencies (the machine's torch is used).
+#   tests     tests/test_core_cuda.py (greedy equality on CUDA: eager, static, CUDA graphs; chains and
+#             trees; the attention-backend choice; a CPU generator driving a rule on CUDA tensors),
+#   vlm       `mmspec bench vlm --device cuda` on the bundled testbed VLM (captions, batch 1 and 4),
+#   imagegen  `mmspec bench imagegen --device cuda` on the bundled testbed generator (batch 1 and 8),
+#   b4        `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh
+#             prompt per call) on text at batch 4; the auto row carries its controller's estimates,
+#   b1        text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention choice,
+#   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
+# Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
+# SECONDS (default 540) bounds the whole script; each step gets what is left (vlm and imagegen at
+# most 120 s each). Figures and logs go to OUTDIR (at most 8 files: the device tool brings back 8).
+# A `.whl/` folder of wheels is installed first when present: the machine has torch and
+# transformers' own dependencies but not diffusers, einops or pillow (session 30), so carry
+# transformers (the tested version), diffusers, importlib_metadata, zipp, einops, pillow and
+# requests with its dependencies (`pip download --no-deps`, pillow for the machine's Python).
+# mmspec itself is installed from this checkout without its dependencies.
 set -u
 OUT=${1:?usage: gpu_check.sh OUTDIR [SECONDS]}
 BUDGET=${2:-540}
