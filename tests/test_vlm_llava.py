@@ -166,3 +166,30 @@ def test_llava_image_features_are_returned(llava):
     feats = model.model.get_image_features(pixels, vision_feature_layer=-1,
                                            vision_feature_select_strategy="default").pooler_output
     torch.testing.assert_close(drafter.seen[0].image_features.reshape(-1, 32), torch.cat(list(feats)).reshape(-1, 32))
+
+
+def test_image_features_read_from_image_outputs_not_the_deprecated_alias():
+    """transformers 5.24 keeps `image_hidden_states` as an alias of `image_outputs.pooler_output`
+    and announces that from 5.30 it returns every layer's hidden states: the spec reads
+    `image_outputs` where the output class has that field, and the alias only on older classes."""
+    from dataclasses import dataclass
+    from types import SimpleNamespace
+
+    from transformers.models.llava.modeling_llava import LlavaModelOutputWithPast
+
+    from mmspec.models.hf_spec import _pooled_image_features
+
+    pooled, other = torch.ones(2, 3), torch.zeros(5, 3)
+
+    @dataclass
+    class Future:  # the announced change: the alias returns something else
+        image_outputs: object = None
+
+        @property
+        def image_hidden_states(self):
+            return other
+
+    assert _pooled_image_features(Future(SimpleNamespace(pooler_output=pooled))) is pooled
+    assert _pooled_image_features(Future(None)) is None  # a text-only step
+    assert _pooled_image_features(SimpleNamespace(image_hidden_states=other)) is other  # older classes
+    assert "image_outputs" in LlavaModelOutputWithPast.__dataclass_fields__  # the installed version's layout

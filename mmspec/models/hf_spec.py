@@ -39,6 +39,17 @@ def text_vocab_size(model) -> int:
     return int(text_config(model).vocab_size)
 
 
+def _pooled_image_features(output):
+    """The projected image features of a VLM base model's output. transformers 5.24 moved them to
+    `output.image_outputs.pooler_output` and keeps `image_hidden_states` as a deprecated alias that
+    "will return a list of all hidden states per layer from v5.30": read the new field where the
+    output class has it (never the alias, which would then silently be something else)."""
+    if "image_outputs" in getattr(type(output), "__dataclass_fields__", {}):
+        inner = output.image_outputs
+        return None if inner is None else getattr(inner, "pooler_output", None)
+    return getattr(output, "image_hidden_states", None)
+
+
 def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList | None:
     """The decoder-layer list of the (language) model: the first ModuleList of the right length
     under `get_decoder()` (which is the language model for VLMs)."""
@@ -241,7 +252,7 @@ class HFSpec(ForwardSpec):
                 if hidden is None and isinstance(output, tuple):
                     hidden = output[0]
                 captured["last"] = hidden
-                image = getattr(output, "image_hidden_states", None)
+                image = _pooled_image_features(output)
                 if isinstance(image, (list, tuple)):  # one tensor per image (transformers >= 5.24)
                     image = torch.cat([t.reshape(-1, t.shape[-1]) for t in image]) if image else None
                 if image is not None:
