@@ -2,15 +2,16 @@
 # The GPU checks in one call, for a machine with one NVIDIA GPU and no network:
 #   tests     tests/test_core_cuda.py (greedy equality on CUDA: eager, static, CUDA graphs; chains and
 #             trees; the attention-backend choice; a CPU generator driving a rule on CUDA tensors),
-#   vlm       `mmspec bench vlm --device cuda` on the bundled testbed VLM (captions, batch 1 and 4),
-#   imagegen  `mmspec bench imagegen --device cuda` on the bundled testbed generator (batch 1 and 8),
+#   vlm       `mmspec bench vlm --device cuda` on the bundled testbed VLM (captions and VQA, batch 1 and 4),
+#   imagegen  `mmspec bench imagegen --device cuda` on the bundled testbed generator (batch 1 and 8;
+#             speed only: the judge's quality figures are the CPU run's, same seeds),
 #   b4        `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh
 #             prompt per call) on text at batch 4; the auto row carries its controller's estimates,
 #   b1        text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention choice,
 #   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
 # Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
-# SECONDS (default 540) bounds the whole script; each step gets what is left (vlm and imagegen at
-# most 120 s each). Figures and logs go to OUTDIR (at most 8 files: the device tool brings back 8).
+# SECONDS (default 540) bounds the whole script; each step gets what is left (vlm at most 160 s,
+# imagegen 200 s). Figures and logs go to OUTDIR (at most 8 files: the device tool brings back 8).
 # A `.whl/` folder of wheels is installed first when present: the machine has torch and
 # transformers' own dependencies but not diffusers, einops or pillow (session 30), so carry
 # transformers (the tested version), diffusers, importlib_metadata, zipp, einops, pillow and
@@ -44,14 +45,14 @@ bounded $(( $(left) > 200 ? 150 : $(left) - 40 )) python3 -m pytest -q -s -p no:
 fi
 
 if step vlm; then
-echo "== bench vlm on the GPU: the testbed VLM's captions at batch 1 and 4 ($(left) s left)"
-bounded $(( $(left) > 160 ? 120 : $(left) - 40 )) python3 -m mmspec.cli bench vlm --model "$ROOT/assets/testbed/vlm" --device cuda --tasks caption --batch-sizes 1,4 --repeats 2 \
+echo "== bench vlm on the GPU: the testbed VLM's captions and answers at batch 1 and 4 ($(left) s left)"
+bounded $(( $(left) > 200 ? 160 : $(left) - 40 )) python3 -m mmspec.cli bench vlm --model "$ROOT/assets/testbed/vlm" --device cuda --tasks caption,vqa --batch-sizes 1,4 --repeats 2 \
   --json "$OUT/bench_vlm_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 fi
 
 if step imagegen; then
 echo "== bench imagegen on the GPU: the testbed generator at batch 1 and 8 ($(left) s left)"
-bounded $(( $(left) > 160 ? 120 : $(left) - 40 )) python3 -m mmspec.cli bench imagegen --model "$ROOT/assets/testbed/imagegen" --device cuda \
+bounded $(( $(left) > 240 ? 200 : $(left) - 40 )) python3 -m mmspec.cli bench imagegen --model "$ROOT/assets/testbed/imagegen" --device cuda --judge-images 0 --repeats 2 \
   --json "$OUT/bench_imagegen_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 fi
 
