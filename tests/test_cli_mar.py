@@ -107,12 +107,22 @@ def test_bench_mar_json(folder, tmp_path, capsys):
         assert 0.0 <= cspd["acceptance_rate"] <= 1.0 and cspd["fallbacks"] >= 0 and cspd["speedup_vs_plain"] > 0
         relaxed = b["methods"]["cspd-relaxed"]
         assert 0.0 <= relaxed["acceptance_rate"] <= 1.0 and relaxed["draft_forwards_per_image"] > 0
+        # the fewer-steps peers (default: half and a quarter of the 4 steps): one target forward per step
+        assert list(b["methods"])[3:] == ["plain@2", "plain@1"]
+        for n in (2, 1):
+            peer = b["methods"][f"plain@{n}"]
+            assert peer["target_forwards_per_image"] == n and peer["draft_forwards_per_image"] == 0
     assert report["config"]["inner_temperature"] == 42.0
     text = capsys.readouterr().out
     assert "speed-up" in text and "cspd-relaxed" in text
     main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
-          "--threads", "1", "--inner-temperature", "0", "--json", str(path)])
+          "--threads", "1", "--inner-temperature", "0", "--plain-iters", "0", "--json", str(path)])
     assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd"]
+    main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
+          "--threads", "1", "--inner-temperature", "0", "--plain-iters", "3,9,3", "--json", str(path)])
+    assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd", "plain@3"]  # 9 >= 4 steps: dropped
+    with pytest.raises(SystemExit, match="--plain-iters takes integers"):
+        main(["bench", "mar", "--model", str(folder), "--plain-iters", "half"])
     # per-call costs: a plain step, a verify call, a drafter step; a cheaper drafter head on request
     m = json.loads(path.read_text())["batches"][0]["methods"]
     assert m["plain"]["ms_per_target_call"] > 0 and m["plain"]["ms_per_draft_call"] is None
@@ -151,7 +161,8 @@ def test_bench_mar_judge_scores_both_methods(tmp_path):
     folder = save_pair(tmp_path / "world", img_size=64, vae_stride=16, class_num=32)
     report = run(MARBenchConfig(model=str(folder), batch_sizes=(2,), num_images=2, repeats=1, num_iter=3,
                                 threads=1, judge=str(JUDGE_DIR), judge_images=4))
-    for m in ("plain", "cspd", "cspd-relaxed"):
+    assert list(report["judge"]) == ["plain", "cspd", "cspd-relaxed", "plain@1"]  # 3 // 2 = 1, 3 // 4 = 0 dropped
+    for m in ("plain", "cspd", "cspd-relaxed", "plain@1"):
         s = report["judge"][m]
         assert s["images"] == 4 and 0.0 <= s["accuracy"] <= 1.0 and s["frechet"] >= 0.0
 

@@ -15,7 +15,10 @@ accuracy, Frechet distance to the judge's real reference). Exact CSpD (`cspd`) m
 differ from plain sampling by sampling noise; `cspd-relaxed` (on by default,
 `--inner-temperature`, 0 to leave it out) runs the accept test of CSpD's public code, whose
 Gaussians are widened by an inner temperature (42 there): lossy, so its quality is measured
-beside its speed.
+beside its speed. The peer of a lossy speed-up is plain sampling in fewer generation steps (MAR
+trades steps for quality by design): rows `plain@N` (`--plain-iters`, default half and a quarter
+of the steps; `--plain-iters 0` for none) sample plainly with N steps, timed and judged beside
+the others, so a lossy method's speed is read against what fewer steps alone buy.
 
 Limits: timings are of this machine and its load (take them on a quiet machine with fixed
 --threads); MAR's token grid must be small for CPU runs.
@@ -58,6 +61,7 @@ class MARBenchConfig:
     judge: str | None = None  # judge folder; None: no judge
     judge_images: int = 256  # images per method for the judge
     draft_head_steps: int | None = None  # the drafter's head sampling steps (None: its folder's)
+    plain_iters: tuple[int, ...] | None = None  # `plain@N` peer rows; None: num_iter // 2 and // 4
 
     def __post_init__(self):
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
@@ -73,6 +77,8 @@ class MARBenchConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.draft_head_steps is not None and self.draft_head_steps < 2:
             raise ValueError(f"draft_head_steps must be >= 2, got {self.draft_head_steps}")
+        if self.plain_iters is not None and any(not isinstance(n, int) or n < 1 for n in self.plain_iters):
+            raise ValueError(f"plain_iters must be ints >= 1 (generation steps of the plain@N rows), got {self.plain_iters}")
 
 
 def _call(cfg: MARBenchConfig, defaults: dict) -> dict:
@@ -84,12 +90,23 @@ def _call(cfg: MARBenchConfig, defaults: dict) -> dict:
                 num_draft_steps=cfg.num_draft_steps, prefill_fraction=cfg.prefill_fraction)
 
 
-def methods(cfg: MARBenchConfig) -> tuple[str, ...]:
-    return METHODS if cfg.inner_temperature else METHODS[:2]
+def fewer_iters(cfg: MARBenchConfig, num_iter: int) -> tuple[int, ...]:
+    """Generation steps of the `plain@N` rows: fewer than `num_iter`, each once, largest first."""
+    wanted = cfg.plain_iters if cfg.plain_iters is not None else (num_iter // 2, num_iter // 4)
+    return tuple(sorted({n for n in wanted if 1 <= n < num_iter}, reverse=True))
+
+
+def methods(cfg: MARBenchConfig, num_iter: int | None = None) -> tuple[str, ...]:
+    """Row names: plain, exact CSpD, relaxed CSpD (if on) and, given the call's `num_iter`, the
+    `plain@N` peers."""
+    base = METHODS if cfg.inner_temperature else METHODS[:2]
+    return base + (() if num_iter is None else tuple(f"plain@{n}" for n in fewer_iters(cfg, num_iter)))
 
 
 def method_call(cfg: MARBenchConfig, call: dict, method: str) -> dict:
     """pipe(...) keyword arguments of one method."""
+    if method.startswith("plain@"):
+        return {**call, "speculative": False, "num_iter": int(method[len("plain@"):])}
     if method == "cspd-relaxed":
         from mmspec.acceptance import RelaxedContinuousAcceptance
 
@@ -147,7 +164,7 @@ def judge_quality(pipe, cfg: MARBenchConfig, call: dict, progress) -> dict:
     n_cls = pipe.transformer.config.class_num
     labels = [i % n_cls for i in range(cfg.judge_images)]
     out = {}
-    for method in methods(cfg):
+    for method in methods(cfg, call["num_iter"]):
         pixels = []
         for i in range(0, len(labels), 32):
             gen = torch.Generator().manual_seed(cfg.seed + 7 + 1009 * i)  # same seeds for both methods
@@ -181,7 +198,7 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
     }, "batches": []}
     labels = [i % t.config.class_num for i in range(cfg.num_images)]
     for B in cfg.batch_sizes:
-        ms = methods(cfg)
+        ms = methods(cfg, call["num_iter"])
         runs: dict[str, list[dict]] = {m: [] for m in ms}
         for r in range(cfg.repeats + 1):  # round 0 warms up
             for m in (ms if r % 2 == 0 else ms[::-1]):
@@ -286,6 +303,9 @@ def main(argv: list[str]) -> int:
                    help="cspd-relaxed rows: CSpD's public-code accept test widened by this factor (lossy; 0: no such rows)")
     p.add_argument("--draft-head-steps", type=int, default=None,
                    help="sample the drafter's diffusion head in this many steps (cheaper drafts; default: its folder's)")
+    p.add_argument("--plain-iters", default=None,
+                   help="comma-separated generation steps of plain@N peer rows (default: half and a quarter of "
+                   "the steps; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     j = p.add_mutually_exclusive_group()
@@ -304,13 +324,21 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"mmspec bench mar: {model} is not a SpeculativeMARPipeline folder (its model_index.json "
                          f"must name SpeculativeMARPipeline); {MAKE_ONE}")
     judge = None if args.no_judge else (args.judge or _judge_default(model))
+    plain_iters = None
+    if args.plain_iters is not None:
+        try:
+            plain_iters = tuple(int(x) for x in args.plain_iters.split(",") if x.strip())
+        except ValueError:
+            raise SystemExit(f"mmspec bench mar: --plain-iters takes integers, got {args.plain_iters!r}") from None
+        plain_iters = () if plain_iters == (0,) else plain_iters
     try:
         cfg = MARBenchConfig(model=model, batch_sizes=_batch_sizes(args.batch_sizes), num_images=args.num_images,
                              repeats=args.repeats, num_iter=args.num_iter, guidance_scale=args.guidance_scale,
                              cfg_schedule=args.cfg_schedule, temperature=args.temperature,
                              num_draft_steps=args.num_draft_steps, prefill_fraction=args.prefill_fraction,
                              inner_temperature=args.inner_temperature, draft_head_steps=args.draft_head_steps,
-                             seed=args.seed, threads=args.threads, judge=judge, judge_images=args.judge_images)
+                             seed=args.seed, threads=args.threads, judge=judge, judge_images=args.judge_images,
+                             plain_iters=plain_iters)
         report = run(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench mar: {e}") from None
@@ -332,7 +360,8 @@ def demo_section(out_dir: str, model=BUNDLED_MAR, threads: int | None = 2, progr
                 "`mmspec testbed train-mar --out DIR`, then run `mmspec bench mar --model DIR`)")
     from PIL import Image
 
-    cfg = MARBenchConfig(model=str(model), batch_sizes=(1, 4), num_images=4, repeats=1, threads=threads)
+    cfg = MARBenchConfig(model=str(model), batch_sizes=(1, 4), num_images=4, repeats=1, threads=threads,
+                         plain_iters=())  # the demo keeps to plain vs CSpD (bench mar adds the fewer-steps rows)
     report = run(cfg, progress)
     pipe = load_mar(model)
     call = _call(cfg, mar_defaults(model, pipe))
