@@ -14,7 +14,6 @@ and prefix-LM / `token_type_ids` variants included).
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -26,17 +25,20 @@ from mmspec.ragged import RaggedKV
 def cache_argument(module) -> str:
     """The keyword under which `module`'s forward takes the KV cache: `cache` from transformers
     5.24 on (its models still accept `past_key_values` through a deprecation shim, to be removed
-    in 5.40), `past_key_values` before."""
-    return _cache_argument(type(module))
+    in 5.40), `past_key_values` before. Memoised per class in a plain dict (torch.compile traces
+    a dict lookup; it warned about an `lru_cache` wrapper, which it bypasses)."""
+    cls = type(module)
+    name = _CACHE_ARGUMENT.get(cls)
+    if name is None:
+        try:
+            params = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):
+            params = {}
+        name = _CACHE_ARGUMENT[cls] = "cache" if "cache" in params else "past_key_values"
+    return name
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_argument(cls) -> str:
-    try:
-        params = inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+_CACHE_ARGUMENT: dict[type, str] = {}
 
 
 class RaggedLayer(CacheLayerMixin):
