@@ -6,7 +6,8 @@
 #   imagegen  `mmspec bench imagegen --device cuda` on the bundled testbed generator (batch 1 and 8;
 #             speed only: the judge's quality figures are the CPU run's, same seeds),
 #   b4        `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh
-#             prompt per call) on text at batch 4; the auto row carries its controller's estimates,
+#             prompt per call) on text at batch 4; the auto row carries its controller's estimates, and a
+#             row of auto held at K = 5 tells whether the adaptive path itself costs per step,
 #   b1        text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention choice,
 #   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
 # Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
@@ -58,7 +59,7 @@ fi
 
 if step b4; then
 echo "== bench gpu: text at batch 4 (auto's choice there: the auto row carries its controller's state) ($(left) s left)"
-bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 --no-attention-rows \
+bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 --no-attention-rows --pinned-auto-row \
   --json "$OUT/bench_gpu_b4.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 fi
 

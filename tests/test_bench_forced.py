@@ -163,3 +163,20 @@ def test_gpu_bench_reports_what_auto_believed():
     assert set(state["verify_observations"]) == set(state["verify_ms"]) and min(state["verify_observations"].values()) >= 1
     assert all(v is None or v > 0 for v in state["finish_ms"].values())
     assert sum(state["k_histogram_all_calls"].values()) > 0
+
+
+def test_gpu_bench_pinned_auto_row_drafts_the_fixed_k_every_step(capsys):
+    """--pinned-auto-row: the adaptive drafter held at the fixed row's K (a diagnostic of the
+    adaptive path's per-step cost): K on every step, the same forced acceptance and output."""
+    from mmspec.bench.gpu import main
+
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 2),), max_new_tokens=16,
+                         repeats=1, pinned_auto=True)
+    rows = {r["method"]: r for r in run(cfg, progress=lambda m: None)["rows"]}
+    pinned, fixed = rows["mmspec auto pinned K=5"], rows["mmspec K=5"]
+    assert pinned["identical_to_generate"] and pinned["mean_k"] == 5.0
+    assert pinned["mean_accepted_length"] == fixed["mean_accepted_length"]  # same script, same K: same steps
+    assert pinned["verify_forwards"] == fixed["verify_forwards"]
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--workloads", "text:1",
+                 "--max-new-tokens", "8", "--repeats", "1", "--pinned-auto-row"]) == 0
+    assert "mmspec auto pinned K=5" in capsys.readouterr().out

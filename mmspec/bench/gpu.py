@@ -88,6 +88,7 @@ class GpuBenchConfig:
     cudnn_attention: bool = True  # False: torch.backends.cuda.enable_cudnn_sdp(False) for the run
     fresh_prompts: bool = True  # a new prompt (length, script) per call: no call replays another's shapes
     attention_rows: bool = True  # CUDA: fixed K and auto also with attention="torch"
+    pinned_auto: bool = False  # a diagnostic row: the adaptive drafter with its controller held at K
     deadline_s: float | None = None
     seed: int = 0
 
@@ -237,6 +238,14 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
                "auto": ModelDrafter(drafter, "auto", max_draft_tokens=config.max_draft_tokens, attention="torch")}
         methods[f"mmspec K={K} torch attention"] = spec(t_t, lambda p: ForcedDrafter(d_t["fixed"], scripts[p]))
         methods["mmspec auto torch attention"] = spec(t_t, lambda p: ForcedDrafter(d_t["auto"], scripts[p]))
+    if config.pinned_auto:
+        # The adaptive path (deferred prefill, per-step choice, timing, K_max-sized buffers) at the
+        # fixed row's K on every step: the same speed as "K=5" unless that path costs per step.
+        from mmspec.adaptive import DraftLengthController
+
+        pinned = ModelDrafter(drafter, "auto", max_draft_tokens=config.max_draft_tokens)
+        pinned.controller = DraftLengthController(config.max_draft_tokens, warmup=(K,) * 10**6, probe_every=0)
+        methods[f"mmspec auto pinned K={K}"] = spec(tgt, lambda p: ForcedDrafter(pinned, scripts[p]))
     compiled = []
     if compile_rows:
         for label, opts in (("static", dict(static=True)), ("cuda graphs", dict(compile="reduce-overhead"))):
@@ -384,6 +393,8 @@ def main(argv: list[str]) -> int:
                         "per-shape attention plans cached by the first call flatter every later one)")
     p.add_argument("--no-attention-rows", action="store_true",
                    help="skip the rows that run with attention='torch' (torch's own backend choice)")
+    p.add_argument("--pinned-auto-row", action="store_true",
+                   help="a diagnostic row: the adaptive drafter held at the fixed row's K (does its path cost per step?)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no workload after this many seconds")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -395,7 +406,7 @@ def main(argv: list[str]) -> int:
                                 repeats=a.repeats, compile=a.compile, deadline_s=a.deadline_s,
                                 stable_greedy=not a.plain_random,
                                 cudnn_attention=not a.no_cudnn_attention, fresh_prompts=not a.same_prompt,
-                                attention_rows=not a.no_attention_rows, **kw)
+                                attention_rows=not a.no_attention_rows, pinned_auto=a.pinned_auto_row, **kw)
     except (ValueError, IndexError) as e:
         raise SystemExit(f"mmspec bench gpu: {e}") from None
 
