@@ -212,7 +212,8 @@ class DraftLengthController:
         self.max_probe_every = max_probe_every
         self.probe_budget = float(probe_budget)
         self._probe_seconds: float | None = None  # what the last probe step took
-        self._probe_tokens = 0  # and the tokens it emitted
+        self._probe_tokens = 0  # and the tokens it emitted (what they are worth: see `observe`)
+        self._finish_objective = False  # the last `choose` ranked by time to finish the batch
         self.probe_gap = probe_every  # steps from one probe to the next (grows while probes change nothing)
         self.next_probe = len(self.warmup) + probe_every if probe_every else None
         self.probes = 0
@@ -352,6 +353,7 @@ class DraftLengthController:
         the whole batch is done (see `finish_seconds`)."""
         if remaining is not None and len(remaining) != batch:
             raise ValueError(f"remaining must hold one count per row ({batch}), got {len(remaining)}")
+        self._finish_objective = remaining is not None
         if self.k_max == 0:
             k = 0
         elif self.steps < len(self.warmup):
@@ -456,7 +458,17 @@ class DraftLengthController:
                 c[1] += min(n + 1, k)  # drafts judged: the accepted ones and the first rejected one
         if self._probe_base is not None:
             self._probe_seconds = draft_seconds + verify_seconds
-            self._probe_tokens = batch + sum(min(n, k) for n in accepted)
+            gained = [1 + min(n, k) for n in accepted]
+            if self._probe_base == 0 and self._finish_objective and gained:
+                # A probe from plain decoding in a batch that is done when its slowest row is:
+                # plain rows move in lockstep, so what the probe bought is what its slowest row
+                # gained, for every row (rows that got ahead only finish earlier, and their lead
+                # costs a ragged layout for the rest of the request). Counting every row's gain
+                # priced a K = 1 probe at batch 4 (47% acceptance) ~1.5 plain steps cheaper than it
+                # ran, and such probes came every ~50 steps instead of the ~150 the budget asks.
+                self._probe_tokens = batch * min(gained)
+            else:
+                self._probe_tokens = sum(gained)
         # Acceptance forgets per draft outcome, and at most by `decay` per step: a position
         # remembers about `memory` outcomes at small batches (decay 0.9 per step alone was ~10
         # outcomes at batch 1, too few to tell a 28% first-draft acceptance from 10%) and

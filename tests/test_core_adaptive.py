@@ -434,3 +434,28 @@ def test_one_time_costs_of_new_shapes_do_not_pin_the_draft_length():
             ctrl.observe(4, k, accepted, first * per_draft * k, first * verify_s)
         late = ctrl.history[-200:]
         assert sum(per_token(k) for k in late) / len(late) < 1.02 * best, (seed, late[-20:])
+
+
+@pytest.mark.parametrize("finish", [True, False], ids=["static-batch", "tokens-per-second"])
+def test_a_probe_from_plain_is_priced_by_its_slowest_row_in_a_static_batch(finish):
+    """Plain rows move in lockstep, and a static batch is done when its slowest row is: a probe
+    from plain decoding bought what its slowest row gained (here 1 token: two rows accepted
+    nothing), not the sum over rows. The probe budget (1% of the plain time) spaces the next probe
+    by ceil(extra / (0.01 * plain step)) steps, extra = the probe's seconds less what it bought
+    (with the tokens-per-second objective, every row's tokens count, as before)."""
+    import math
+
+    plain_s, verify_s, draft_per_k = 0.0133, 0.029, 0.005
+    # Warm-up: two K = 1 steps (their cost known twice, so trusted) and a plain one.
+    ctrl = DraftLengthController(4, warmup=(1, 1, 0), probe_every=16, max_probe_every=64, prior_acceptance=0.3)
+    for i in range(40):
+        k = ctrl.choose(4, [200 - i] * 4 if finish else None)
+        accepted = [1, 0, 1, 0] if k else [0, 0, 0, 0]
+        ctrl.observe(4, k, accepted, draft_per_k * k, verify_s if k else plain_s)
+    probes = [i for i, k in enumerate(ctrl.history) if k and i >= 3]
+    assert probes == [19]  # one probe (16 plain steps after the warm-up), and plain kept after it
+    k = ctrl.history[19]
+    probe_s = draft_per_k * k + verify_s
+    bought = 1 * plain_s if finish else (4 + 2) * plain_s / 4  # slowest row: 1 token; all rows: 6 tokens
+    expected_gap = math.ceil((probe_s - bought) / (0.01 * plain_s))
+    assert ctrl.probe_gap == expected_gap and ctrl.next_probe == 19 + expected_gap
