@@ -159,7 +159,9 @@ def test_gpu_bench_reports_what_auto_believed():
                          repeats=1, alpha=0.8)
     rows = {r["method"]: r for r in run(cfg, progress=lambda m: None)["rows"]}
     state = rows["mmspec auto"]["controller"]
-    assert len(state["acceptance"]) == cfg.max_draft_tokens and "2x1" in state["verify_ms"]
+    # the warm-up's K = 3 and K = 1 verifies at batch 2 (whether a plain step, "2x1", ever ran
+    # depends on this machine's timings: asserting it failed 1 run in 5)
+    assert len(state["acceptance"]) == cfg.max_draft_tokens and {"2x4", "2x2"} <= set(state["verify_ms"])
     assert set(state["verify_observations"]) == set(state["verify_ms"]) and min(state["verify_observations"].values()) >= 1
     assert all(v is None or v > 0 for v in state["finish_ms"].values())
     assert sum(state["k_histogram_all_calls"].values()) > 0
