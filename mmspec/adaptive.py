@@ -93,16 +93,19 @@ class _LinearCost:
     per step, no history kept); plus running means for each observed key, which are
     preferred when present.
 
-    A key's first observation is provisional. A shape's first run pays one-time costs: on the
-    H100 of session 30 the keys `auto` had seen once cost 30-160% more than the same batch's
-    repeated keys (kernel and plan selection, allocator growth; the cold steps right after a
-    prefill add theirs). Averaged in at decay 0.9 such a first reading took ~15 more
-    observations to fade, and a shape that looks dear is rarely chosen again (probes come every
-    16-64 steps): `auto` stayed at K = 3 where K = 5-8 ran faster. So (1) a cheaper second
+    First observations are provisional where this machine shows one-time costs. A shape's first
+    run may pay work its later runs do not: on the H100 of session 30 the keys `auto` had seen
+    once cost 30-160% more than the same batch's repeated keys (kernel and plan selection,
+    allocator growth). Averaged in at decay 0.9 such a first reading took ~15 more observations
+    to fade, and a shape that looks dear is rarely chosen again (probes come every 16-64 steps):
+    `auto` stayed at K = 3 where K = 5-8 ran faster. On a CPU a first run costs what later ones
+    do, and treating it as provisional there cost ~2% (more exploration of rarely chosen shapes,
+    estimates biased low by keeping the cheaper of two noisy readings). So it is measured, not
+    assumed: every key's first reading is compared with its second, and once two keys have
+    shown it and their geometric-mean ratio is above `one_time_ratio`, (1) a cheaper second
     observation replaces the first instead of being averaged with it, and (2) while a key has
     been seen once, its estimate is at most what the line through repeated observations (of
-    other keys) predicts for it, so the controller tries it once more before trusting it: at
-    most one extra step per shape.
+    other keys) predicts for it, so it is tried once more before it is trusted.
     """
 
     # An observation counts at most this many times the running mean of its key: the rest of
@@ -110,6 +113,7 @@ class _LinearCost:
     # such outlier would otherwise move the estimate by (1 - decay) x its size. A lasting rise
     # still comes through, by up to 50% x (1 - decay) per step.
     clip = 1.5
+    one_time_ratio = 1.2  # first / second reading (geometric mean over keys) that marks one-time costs
 
     def __init__(self, decay: float):
         self.decay = decay
@@ -120,11 +124,21 @@ class _LinearCost:
         self.sums = [0.0] * 5
         self.repeat_sums = [0.0] * 5
         self._lines: dict = {}
+        self._first_log_ratios = [0.0, 0]  # sum of log(first / second) over keys seen twice, count
+
+    @property
+    def one_time_costs(self) -> bool:
+        """Whether first readings run dear on this machine (measured: see the class docstring)."""
+        total, n = self._first_log_ratios
+        return n >= 2 and total / n > math.log(self.one_time_ratio)
 
     def observe(self, key, tokens: float, seconds: float) -> None:
         old = self.means.get(key)
         n = self.counts.get(key, 0)
-        if old is None or (n == 1 and seconds < old):
+        if n == 1 and old > 0 and seconds > 0:
+            self._first_log_ratios[0] += math.log(old / seconds)
+            self._first_log_ratios[1] += 1
+        if old is None or (n == 1 and seconds < old and self.one_time_costs):
             self.means[key] = seconds
         else:
             self.means[key] = self.decay * old + (1 - self.decay) * min(seconds, self.clip * old)
@@ -159,7 +173,7 @@ class _LinearCost:
         mean = self.means.get(key)
         if mean is None:
             return self._predict(tokens)
-        if self.counts[key] == 1:
+        if self.counts[key] == 1 and self.one_time_costs:
             again = self._predict(tokens, repeats=True)
             if again is not None:
                 return min(mean, again)
