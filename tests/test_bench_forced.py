@@ -165,6 +165,13 @@ def test_gpu_bench_reports_what_auto_believed():
     assert set(state["verify_observations"]) == set(state["verify_ms"]) and min(state["verify_observations"].values()) >= 1
     assert all(v is None or v > 0 for v in state["finish_ms"].values())
     assert sum(state["k_histogram_all_calls"].values()) > 0
+    for table in ("verify", "draft"):
+        first = state["first_reading_ratio"][table]
+        assert first["keys"] >= 0 and isinstance(first["provisional"], bool)
+        if first["provisional"]:  # (the ratio is rounded to 3 digits)
+            assert first["keys"] >= 2 and first["ratio"] >= 1.2
+        else:
+            assert first["keys"] < 2 or first["ratio"] <= 1.2
 
 
 def test_gpu_bench_pinned_auto_row_drafts_the_fixed_k_every_step(capsys):

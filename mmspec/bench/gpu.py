@@ -193,7 +193,17 @@ def controller_state(c, batch: int, new_tokens: int) -> dict:
             "verify_observations": {f"{b}x{q}": n for (b, q), n in sorted(c.verify.counts.items())},
             "draft_observations": {f"{b}x{k}": n for (b, k), n in sorted(c.draft.counts.items())},
             "finish_ms": {k: None if v is None else round(v * 1e3, 1) for k, v in finish.items()},
-            "k_histogram_all_calls": {k: c.history.count(k) for k in sorted(set(c.history))}}
+            "k_histogram_all_calls": {k: c.history.count(k) for k in sorted(set(c.history))},
+            # whether first readings ran dear here (geometric mean of first / second reading over
+            # the keys seen twice) and so were treated as provisional (mmspec/adaptive.py)
+            "first_reading_ratio": {name: _first_reading(getattr(c, name)) for name in ("verify", "draft")}}
+
+
+def _first_reading(table) -> dict:
+    import math
+
+    total, n = table._first_log_ratios
+    return {"keys": n, "ratio": round(math.exp(total / n), 3) if n else None, "provisional": table.one_time_costs}
 
 
 def _workload(config, target, drafter, name, B, progress, compile_rows):
