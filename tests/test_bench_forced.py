@@ -149,7 +149,8 @@ def test_gpu_bench_cli_flags(capsys):
 
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--workloads", "text:1",
                  "--max-new-tokens", "8", "--repeats", "1", "--same-prompt", "--no-attention-rows"]) == 0
-    assert "mmspec K=5" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "mmspec K=5" in out and "text B=1 auto, first / second reading of a shape: verify" in out
 
 
 def test_gpu_bench_reports_what_auto_believed():

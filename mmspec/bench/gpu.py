@@ -370,6 +370,12 @@ def format_table(report: dict) -> str:
             f"{r['speedup_vs_mmspec_plain']:>7.2f}x {r.get('mean_accepted_length', ''):>7} "
             f"{r.get('expected_accepted_length', ''):>6} {r.get('mean_k', ''):>6} "
             f"{format(eff, '.0%') if eff else '':>6} {'' if same is None else 'yes' if same else 'NO':>5}")
+    for r in report["rows"]:
+        c = r.get("controller")
+        if c and c.get("first_reading_ratio"):
+            parts = [f"{name} {v['ratio'] if v['ratio'] is not None else '-'}x over {v['keys']} shapes"
+                     f"{' (provisional)' if v['provisional'] else ''}" for name, v in c["first_reading_ratio"].items()]
+            lines.append(f"{r['workload']} B={r['batch']} auto, first / second reading of a shape: " + ", ".join(parts))
     for s in report.get("skipped", []):
         lines.append(f"skipped {s['workload']} B={s['batch']}: {s['why']}")
     for key, c in (report["info"].get("attention_choice") or {}).items():
