@@ -91,3 +91,20 @@ def test_chi_square_detects_a_wrong_distribution(pair):
     draws = torch.multinomial(wrong.flatten(), SAMPLES, replacement=True, generator=g)
     counts = torch.bincount(draws, minlength=V * V).view(V, V)
     assert chi_square_p(counts, expected, SAMPLES) < 1e-4
+
+
+def test_draws_follow_the_generator_device_and_land_on_the_tensors_device():
+    """`mmspec.sampling.draw`: numbers come from the generator's own device (so a CPU generator,
+    diffusers' convention, can drive a CUDA model and a seed means the same numbers on either),
+    then move to the requested device; with no generator they are drawn where they are needed.
+    (tests/test_core_cuda.py checks the CPU-generator / CUDA-tensor case on a GPU.)"""
+    from mmspec.sampling import draw
+
+    a = draw(torch.rand, 3, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64, device="cpu")
+    b = torch.rand(3, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert torch.equal(a, b) and a.dtype == torch.float64
+    n = draw(torch.randn, torch.Size([2, 3]), generator=torch.Generator().manual_seed(1), device="meta")
+    assert n.device.type == "meta" and n.shape == (2, 3)  # drawn on the generator's CPU, then moved
+    assert draw(torch.rand, 5, device="meta").device.type == "meta"  # no generator: drawn there
+    i = draw(torch.randint, 0, 7, (100,), generator=torch.Generator().manual_seed(2), device="cpu")
+    assert i.dtype == torch.long and int(i.min()) >= 0 and int(i.max()) < 7
