@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from mmspec.sampling import SamplingConfig, process_logits, sample_from
+from mmspec.sampling import SamplingConfig, draw, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput
 
@@ -111,8 +111,7 @@ class JacobiDrafter:
             init_q = self._init_q(known, have, sampling)
             q = torch.where(have.unsqueeze(-1), known, init_q)
         if sampling.greedy:
-            random_tokens = torch.randint(V, (B, N), generator=generator, device=generator.device if generator
-                                          is not None else device).to(device)
+            random_tokens = draw(torch.randint, V, (B, N), generator=generator, device=device)
             tokens = torch.where(have, known.argmax(-1), random_tokens if self.init == "random" else init_q.argmax(-1))
             self._drafted = (tokens, None)
             return Draft(tokens=tokens, parents=chain_parents(B, N, device), draft_probs=None)
@@ -176,8 +175,7 @@ class JacobiDrafter:
         if not bool(need.any()):  # SYNC: once per step (Gumbel coupling only)
             return
         B, _, V = self.noise.shape
-        where = generator.device if generator is not None else self.noise.device
-        u = torch.rand(B, N, V, generator=generator, device=where, dtype=self.noise.dtype).to(self.noise.device)
+        u = draw(torch.rand, B, N, V, generator=generator, dtype=self.noise.dtype, device=self.noise.device)
         tiny = torch.finfo(self.noise.dtype).tiny
         exp1 = -torch.log(u.clamp_min(tiny))  # Exp(1)
         fresh = -torch.log(exp1.clamp_min(tiny))  # Gumbel(0, 1)
@@ -197,8 +195,7 @@ class JacobiDrafter:
         qoy = q_old.gather(-1, y.unsqueeze(-1)).squeeze(-1)
         keep_p = torch.where(qoy > 0, (qy / qoy.clamp_min(torch.finfo(q.dtype).tiny)).clamp(max=1.0),
                              torch.zeros_like(qy))
-        where = generator.device if generator is not None else q.device
-        u = torch.rand(B, N, generator=generator, device=where, dtype=q.dtype).to(q.device)
+        u = draw(torch.rand, B, N, generator=generator, dtype=q.dtype, device=q.device)
         residual = (q - q_old).clamp_min(0.0)
         has_mass = residual.sum(-1) > torch.finfo(q.dtype).tiny * V * 16
         weights = torch.where((valid & has_mass).unsqueeze(-1), residual, q)

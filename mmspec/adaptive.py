@@ -126,11 +126,16 @@ class _LinearCost:
         self._lines: dict = {}
         self._first_log_ratios = [0.0, 0]  # sum of log(first / second) over keys seen twice, count
 
+    def first_reading_ratio(self) -> tuple[int, float | None]:
+        """(keys seen twice, geometric mean of their first / second reading; None before any)."""
+        total, n = self._first_log_ratios
+        return n, (math.exp(total / n) if n else None)
+
     @property
     def one_time_costs(self) -> bool:
         """Whether first readings run dear on this machine (measured: see the class docstring)."""
-        total, n = self._first_log_ratios
-        return n >= 2 and total / n > math.log(self.one_time_ratio)
+        n, ratio = self.first_reading_ratio()
+        return n >= 2 and ratio > self.one_time_ratio
 
     def observe(self, key, tokens: float, seconds: float) -> None:
         old = self.means.get(key)

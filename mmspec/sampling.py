@@ -84,7 +84,7 @@ def check_finite_probs(probs: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def draw(fn, *shape, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
-    """``fn(*shape)`` (``torch.rand`` / ``torch.randn``) drawn on the generator's device and moved to
+    """``fn(*args)`` (``torch.rand`` / ``randn`` / ``randint``) drawn on the generator's device and moved to
     ``device``: a CPU generator (diffusers' convention for reproducible seeds) drives a CUDA model,
     and the same seed gives the same numbers on either device."""
     where = generator.device if generator is not None else device

@@ -200,10 +200,8 @@ def controller_state(c, batch: int, new_tokens: int) -> dict:
 
 
 def _first_reading(table) -> dict:
-    import math
-
-    total, n = table._first_log_ratios
-    return {"keys": n, "ratio": round(math.exp(total / n), 3) if n else None, "provisional": table.one_time_costs}
+    n, ratio = table.first_reading_ratio()
+    return {"keys": n, "ratio": None if ratio is None else round(ratio, 3), "provisional": table.one_time_costs}
 
 
 def _workload(config, target, drafter, name, B, progress, compile_rows):

@@ -60,6 +60,8 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
+from mmspec.sampling import draw
+
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
 
 
@@ -398,8 +400,7 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         p = self.args.class_dropout_prob
         if p == 0:
             return labels
-        where = generator.device if generator is not None else labels.device
-        drop = (torch.rand(labels.shape[0], generator=generator, device=where) < p).to(labels.device)
+        drop = draw(torch.rand, labels.shape[0], generator=generator, device=labels.device) < p
         return torch.where(drop, torch.full_like(labels, self.args.num_classes), labels)
 
     def forward(self, idx: torch.Tensor, cond_idx: torch.Tensor, targets: Optional[torch.Tensor] = None,

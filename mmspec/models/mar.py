@@ -26,14 +26,13 @@ import math
 
 import numpy as np
 import torch
-
-from mmspec.sampling import draw
 import torch.nn as nn
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
 from mmspec.models.mar_diffloss import DiffLoss
+from mmspec.sampling import draw
 
 # Official variants (models/mar.py `mar_base/large/huge`; diffusion-head sizes of the
 # released checkpoints per the official README).

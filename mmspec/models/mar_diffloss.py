@@ -34,9 +34,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from mmspec.sampling import draw
-import torch.nn as nn
 
 
 def cosine_betas(num_timesteps: int = 1000, max_beta: float = 0.999) -> torch.Tensor:
