@@ -119,8 +119,10 @@ def test_bench_mar_json(folder, tmp_path, capsys):
           "--threads", "1", "--inner-temperature", "0", "--plain-iters", "0", "--json", str(path)])
     assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd"]
     main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
-          "--threads", "1", "--inner-temperature", "0", "--plain-iters", "3,9,3", "--json", str(path)])
-    assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd", "plain@3"]  # 9 >= 4 steps: dropped
+          "--threads", "1", "--inner-temperature", "0", "--plain-iters", "3,3", "--json", str(path)])
+    assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd", "plain@3"]
+    with pytest.raises(SystemExit, match=r"plain_iters \[9\] are not fewer than the 4 generation steps"):
+        main(["bench", "mar", "--model", str(folder), "--num-images", "1", "--plain-iters", "3,9"])
     with pytest.raises(SystemExit, match="--plain-iters takes integers"):
         main(["bench", "mar", "--model", str(folder), "--plain-iters", "half"])
     # per-call costs: a plain step, a verify call, a drafter step; a cheaper drafter head on request

@@ -91,9 +91,15 @@ def _call(cfg: MARBenchConfig, defaults: dict) -> dict:
 
 
 def fewer_iters(cfg: MARBenchConfig, num_iter: int) -> tuple[int, ...]:
-    """Generation steps of the `plain@N` rows: fewer than `num_iter`, each once, largest first."""
-    wanted = cfg.plain_iters if cfg.plain_iters is not None else (num_iter // 2, num_iter // 4)
-    return tuple(sorted({n for n in wanted if 1 <= n < num_iter}, reverse=True))
+    """Generation steps of the `plain@N` rows: fewer than `num_iter`, each once, largest first (the
+    defaults, half and a quarter, where they are >= 1; values asked for must be fewer)."""
+    if cfg.plain_iters is None:
+        return tuple(sorted({n for n in (num_iter // 2, num_iter // 4) if n >= 1}, reverse=True))
+    too_many = [n for n in cfg.plain_iters if n >= num_iter]
+    if too_many:
+        raise ValueError(f"plain_iters {too_many} are not fewer than the {num_iter} generation steps of the plain "
+                         "row; the plain@N rows are for fewer steps (pass values below it)")
+    return tuple(sorted(set(cfg.plain_iters), reverse=True))
 
 
 def methods(cfg: MARBenchConfig, num_iter: int | None = None) -> tuple[str, ...]:
