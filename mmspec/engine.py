@@ -28,7 +28,7 @@ import torch
 
 from mmspec.adaptive import DraftLengthController
 from mmspec.protocols import check_drafter, check_rule, check_target, is_target
-from mmspec.sampling import SamplingConfig, process_logits
+from mmspec.sampling import SamplingConfig, check_generator, process_logits
 from mmspec.stats import SpecStats
 from mmspec.timing import PhaseTimer
 from mmspec.tree import verify_draft
@@ -377,6 +377,7 @@ def speculative_generate(
     codebook) or a rule object. `model_inputs` (pixel_values, image_grid_thw, ...) go to the
     target's prefill; the target refuses any it does not use."""
     sampling = SamplingConfig(temperature, top_k, top_p)
+    check_generator(generator)
     attention_mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
     eos = _eos_list(eos_token_id)
     if pad_token_id is None:

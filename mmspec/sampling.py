@@ -83,6 +83,19 @@ def check_finite_probs(probs: torch.Tensor, what: str) -> torch.Tensor:
     return probs
 
 
+def check_generator(generator) -> None:
+    """`generator` must be None or one `torch.Generator` (on any device: draws happen on its
+    device, see `draw`). A list of generators (diffusers' one-per-image form) is refused by name:
+    every row's draws come from the one generator in turn."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return
+    if isinstance(generator, (list, tuple)):
+        raise ValueError(
+            f"generator: a list of {len(generator)} generators (one per image) is not supported; pass one "
+            "torch.Generator (the batch draws from it in turn, so a seed still reproduces the whole batch)")
+    raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+
+
 def draw(fn, *shape, generator: torch.Generator | None = None, dtype=None, device=None) -> torch.Tensor:
     """``fn(*args)`` (``torch.rand`` / ``randn`` / ``randint``) drawn on the generator's device and moved to
     ``device``: a CPU generator (diffusers' convention for reproducible seeds) drives a CUDA model,

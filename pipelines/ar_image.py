@@ -294,6 +294,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if isinstance(class_labels, int) and not isinstance(class_labels, bool):
             class_labels = [class_labels]
         if isinstance(class_labels, torch.Tensor):
+            if class_labels.dim() > 1:  # one image per label: a grid of labels has no meaning here
+                raise ValueError(f"class_labels must be an int, a list of ints or a 0-/1-D tensor, got a tensor of "
+                                 f"shape {tuple(class_labels.shape)}")
             class_labels = class_labels.flatten().tolist()
         if not isinstance(class_labels, (list, tuple)) or not class_labels or not all(
             isinstance(c, int) and not isinstance(c, bool) for c in class_labels

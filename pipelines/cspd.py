@@ -46,6 +46,7 @@ import torch
 
 from mmspec.acceptance import ContinuousAcceptance
 from mmspec.models.mar import MARModel, mar_schedule
+from mmspec.sampling import check_generator, draw
 from mmspec.stats import SpecStats
 
 
@@ -61,11 +62,12 @@ class MARNoise:
 
 
 def draw_noise(batch: int, seq_len: int, dim: int, num_steps: int, generator, device, dtype) -> MARNoise:
+    # Drawn on the generator's device (a CPU generator may drive a CUDA model), then moved.
     kw = dict(generator=generator, device=device)
-    orders = torch.rand(batch, seq_len, **kw).argsort(1)
-    init = torch.randn(batch, seq_len, dim, dtype=dtype, **kw)
-    steps = torch.randn(batch, seq_len, num_steps - 1, dim, dtype=dtype, **kw)
-    final = torch.randn(batch, seq_len, dim, dtype=dtype, **kw)
+    orders = draw(torch.rand, batch, seq_len, **kw).argsort(1)
+    init = draw(torch.randn, batch, seq_len, dim, dtype=dtype, **kw)
+    steps = draw(torch.randn, batch, seq_len, num_steps - 1, dim, dtype=dtype, **kw)
+    final = draw(torch.randn, batch, seq_len, dim, dtype=dtype, **kw)
     return MARNoise(orders, init, steps, final)
 
 
@@ -169,6 +171,7 @@ def sample_mar(
     t0 = time.perf_counter()
     if not isinstance(target, MARModel):
         raise TypeError(f"target must be a mmspec.models.mar.MARModel, got {type(target).__name__}")
+    check_generator(generator)
     cfg = target.config
     L, D, S = target.seq_len, target.token_embed_dim, target.diffloss.gen.num_steps
     masked, lens = mar_schedule(L, num_iter)

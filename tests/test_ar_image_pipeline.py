@@ -150,6 +150,10 @@ def test_bad_input_is_refused_by_name(tmp_path):
         pipe([0], top_k=25)
     with pytest.raises(ValueError, match="output_type"):
         pipe([0], output_type="jpeg")
+    with pytest.raises(ValueError, match=r"tensor of shape \(1, 2\)"):  # was flattened into 2 images
+        pipe(torch.tensor([[0, 1]]))
+    with pytest.raises(TypeError, match="generator"):  # was an AttributeError in the first draw
+        pipe([0], generator=5)
     no_null = SpeculativeARImagePipeline(target=tiny_gpt(0, null_class=False, dtype=torch.float32), vq=tiny_vq(torch.float32))
     with pytest.raises(ValueError, match="no unconditional branch"):
         no_null([0], guidance_scale=4.0)

@@ -94,3 +94,15 @@ def test_cpu_generator_drives_rules_on_cuda():
     assert on_gpu.next_tokens.device.type == "cuda"
     assert torch.equal(on_cpu.num_accepted, on_gpu.num_accepted.cpu())
     assert torch.equal(on_cpu.next_tokens, on_gpu.next_tokens.cpu())
+
+
+def test_cpu_generator_drives_mar_noise_on_cuda():
+    """The MAR sampler's noise (orders, x_T, per-step and final noise) with a CPU generator and a
+    CUDA model: drawn on the CPU and moved, so the seed gives the numbers of a CPU run."""
+    from mmspec.pipelines.cspd import draw_noise
+
+    cpu = draw_noise(2, 5, 3, 4, torch.Generator().manual_seed(3), "cpu", torch.float32)
+    gpu = draw_noise(2, 5, 3, 4, torch.Generator().manual_seed(3), "cuda", torch.float32)
+    for name in ("orders", "init", "steps", "final"):
+        assert getattr(gpu, name).device.type == "cuda"
+        assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name))

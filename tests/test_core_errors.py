@@ -63,6 +63,17 @@ def test_wrong_object_types(pair):
         ModelDrafter(pair[1], 2, tree=(3, 3, 8))
 
 
+def test_a_generator_that_is_not_one_torch_generator_is_refused_by_name(pair):
+    # Before: an int failed deep in the first draw with "'int' object has no attribute
+    # 'device'"; a list (diffusers' one generator per image) the same way.
+    with pytest.raises(TypeError, match="generator must be None or a torch.Generator, got int"):
+        run(pair, temperature=1.0, generator=3)
+    with pytest.raises(ValueError, match="list of 2 generators"):
+        run(pair, temperature=1.0, generator=[torch.Generator(), torch.Generator()])
+    out = run(pair, temperature=1.0, generator=torch.Generator().manual_seed(0))  # one generator: fine
+    assert out.sequences.shape[0] == 2
+
+
 @pytest.mark.parametrize(
     "kwargs,word",
     [(dict(depth=0), "depth"), (dict(top_k=0), "top_k"), (dict(num_nodes=0), "num_nodes"),

@@ -178,6 +178,25 @@ def test_bad_inputs_are_refused_naming_the_argument():
             sample_mar(m, ok, num_iter=4, drafter=m, num_draft_steps=bad)
     with pytest.raises(ValueError, match="final_step_noise"):
         sample_mar(m, ok, num_iter=4, drafter=m, final_step_noise=False)
+    with pytest.raises(TypeError, match="generator"):
+        sample_mar(m, ok, num_iter=4, generator=7)
+    with pytest.raises(ValueError, match="generator"):
+        sample_mar(m, ok, num_iter=4, generator=[torch.Generator()] * 2)
+
+
+def test_noise_is_drawn_on_the_generators_device_and_moved():
+    """A CPU generator (diffusers' convention) may drive a model on another device: the noise is
+    drawn on the generator's device, then moved, and a seed gives the numbers of a CPU draw.
+    ("meta" only shows the placement; the CUDA case, where torch refuses a CPU generator for a
+    draw on the GPU, is tests/test_core_cuda.py::test_cpu_generator_drives_mar_noise_on_cuda.)"""
+    g = lambda: torch.Generator().manual_seed(3)
+    cpu = draw_noise(2, 5, 3, 4, g(), "cpu", torch.float64)
+    meta = draw_noise(2, 5, 3, 4, g(), "meta", torch.float64)
+    for name in ("orders", "init", "steps", "final"):
+        assert getattr(meta, name).device.type == "meta" and getattr(meta, name).shape == getattr(cpu, name).shape
+    ref = torch.Generator().manual_seed(3)
+    assert torch.equal(cpu.orders, torch.rand(2, 5, generator=ref).argsort(1))
+    assert torch.equal(cpu.init, torch.randn(2, 5, 3, generator=ref, dtype=torch.float64))
 
 
 # -- pipeline -------------------------------------------------------------------------------
