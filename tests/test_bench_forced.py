@@ -118,6 +118,9 @@ def test_gpu_bench_refuses_unknown_options():
         GpuBenchConfig(shape="llama-70b", device="cpu")
     with pytest.raises(ValueError, match="workloads"):
         GpuBenchConfig(shape="tiny", device="cpu", workloads=(("video", 1),))
+    for rows in (0, -2, True):  # before: "max() arg is an empty sequence" per workload, reported as skipped
+        with pytest.raises(ValueError, match="batch sizes must be ints >= 1"):
+            GpuBenchConfig(shape="tiny", device="cpu", workloads=(("text", rows),))
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             GpuBenchConfig(device="cuda")

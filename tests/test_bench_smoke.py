@@ -107,6 +107,17 @@ def test_bench_core_refuses_zero_repeats_instead_of_using_the_default():
         main(["bench", "core", "--smoke", "--repeats", "0"])
 
 
+def test_bench_core_refuses_batch_sizes_and_draft_lengths_it_cannot_run():
+    import pytest
+
+    # Before: "max() arg is an empty sequence" (batch 0) or a negative-dimension RuntimeError,
+    # deep in the prompt builder; a fixed K = 0 ran as a "best fixed K" row.
+    for bad, word in ((["--batch-sizes", "0"], "batch_sizes"), (["--batch-sizes", "4,-1"], "batch_sizes"),
+                      (["--fixed-k", "0,2"], "fixed_k"), (["--fixed-k", "9", "--k-max", "8"], "fixed_k")):
+        with pytest.raises(SystemExit, match=word):
+            main(["bench", "core", *bad])
+
+
 def test_verify_widths_are_timed_warm(monkeypatch):
     """`time_widths` times each width after warm calls of that width: with a fake clock where a
     forward costs Q and a change of width costs 10 more (cold caches), the ratios are the warm

@@ -41,6 +41,11 @@ class DraftLengthBench:
             raise ValueError(f"unknown pairs {unknown}; choose from {sorted(PAIRS)}")
         if self.repeats < 1 or self.max_new_tokens < 1:
             raise ValueError("repeats and max_new_tokens must be >= 1")
+        if not self.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be ints >= 1, got {self.batch_sizes}")
+        if not self.fixed_k or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.k_max
+                                   for k in self.fixed_k):
+            raise ValueError(f"fixed_k must be ints in 1..k_max={self.k_max} (K = 0 is the plain rows), got {self.fixed_k}")
 
 
 def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:

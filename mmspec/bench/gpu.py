@@ -100,6 +100,9 @@ class GpuBenchConfig:
         bad = [w for w, _ in self.workloads if w not in WORKLOADS]
         if bad:
             raise ValueError(f"unknown workloads {bad}; choose from {sorted(WORKLOADS)}")
+        rows = [b for _, b in self.workloads if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+        if rows:
+            raise ValueError(f"workload batch sizes must be ints >= 1, got {rows}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for but torch sees no CUDA device; use --device cpu --shape tiny "
                              "for a smoke run here")
