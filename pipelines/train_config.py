@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mmspec.devices import check_device
+
 KINDS = ("text", "eagle", "vispec")
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -91,5 +93,6 @@ class TrainDrafterConfig:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         if self.ttt_steps < 0:
             raise ValueError(f"ttt_steps must be >= 0, got {self.ttt_steps}")
+        check_device(self.device, "--device")  # before the target is loaded and answers regenerated
         if self.bf16 and not self.device.startswith("cuda"):
             raise ValueError("bf16 training needs --device cuda")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.devices import check_device
 from mmspec.models.llamagen_spec import llamagen_target
 from mmspec.testbed.judge_model import JUDGE_DIR
 
@@ -55,8 +56,7 @@ class ImageBenchConfig:
     def __post_init__(self):
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for but torch sees no CUDA device; use --device cpu")
+        check_device(self.device)
         for name in ("draft_tokens", "window"):
             if len(getattr(self, name)) not in (1, len(self.batch_sizes)):
                 raise ValueError(f"{name} needs one value or one per batch size, got {getattr(self, name)}")

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from mmspec.devices import check_device
+
 # The bundled VLM, found from the installed package (the repository root holds assets/).
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "vlm")
 SAMPLE_SCENES = Path(__file__).resolve().parents[2] / "assets" / "testbed" / "images"
@@ -82,8 +84,7 @@ class VLMBenchConfig:
             raise ValueError("tree_drafters (--tree-drafters) without tree (--tree DEPTH,TOP_K,NODES): pass both")
         if self.length_drafters and not self.draft_lengths:
             raise ValueError("length_drafters (--length-drafters) without draft_lengths (--draft-lengths K,...): pass both")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for but torch sees no CUDA device; use --device cpu")
+        check_device(self.device)
         if 1 not in self.verify_widths:
             raise ValueError("verify_widths must include 1 (the one-token forward every ratio is taken against)")
 

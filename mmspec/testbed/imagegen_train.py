@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmspec.devices import check_device
 from mmspec.testbed.judge_model import JUDGE_DIR
 
 STAGES = ("vq", "data", "target", "drafter", "eval")
@@ -89,8 +90,7 @@ class ImageGenTrainConfig:
                 raise ValueError(f"ImageGenTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.n_eval < 32:
             raise ValueError(f"n_eval={self.n_eval}: needs >= 32 (one image per class at least)")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
+        check_device(self.device)  # before the VQ stage, not after it
         self.world_config()
         self.target_config()
         self.drafter_config()

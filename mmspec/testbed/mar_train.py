@@ -61,6 +61,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mmspec.devices import check_device
 from mmspec.testbed.judge_model import JUDGE_DIR
 
 
@@ -121,6 +122,7 @@ class MARTrainConfig:
             raise ValueError(f"MARTrainConfig.mask_ratio_min must be in [0, 1), got {self.mask_ratio_min}")
         if self.n_eval < 2:
             raise ValueError("MARTrainConfig.n_eval must be >= 2 (Frechet needs a covariance)")
+        check_device(self.device, "MARTrainConfig.device")  # before the VAE stage, not after it
 
 
     def world_config(self):

@@ -63,6 +63,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mmspec.devices import check_device
 from mmspec.testbed.vlm_data import stage_data
 from mmspec.testbed.vlm_tower import stage_tower
 from mmspec.testbed.vlm_tune import stage_tune
@@ -168,8 +169,7 @@ class VLMTrainConfig:
             raise ValueError(f"drafter_lr_schedule={self.drafter_lr_schedule!r} must be one of {LR_SCHEDULES} and "
                              f"drafter_warmup={self.drafter_warmup} in [0, drafter_steps={self.drafter_steps}) (fewer steps: "
                              "pass a smaller --drafter-warmup)")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}: must be 'cpu' or 'cuda'")
+        check_device(self.device)  # before the data stage, not after it
 
     @property
     def num_visual_tokens(self) -> int:

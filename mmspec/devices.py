@@ -1,0 +1,23 @@
+"""`check_device`: a `--device` / `device=` value is refused up front when this machine cannot
+run on it, instead of minutes into a training run (after its data stage) or deep in a forward."""
+
+from __future__ import annotations
+
+
+def check_device(device, what: str = "device", allowed: tuple[str, ...] = ("cpu", "cuda")) -> None:
+    """`device` (a str or torch.device: cpu, cuda, cuda:N) must name a device type in `allowed`
+    that torch can use here; ValueError naming `what` otherwise."""
+    import torch  # here, so that option modules importing this stay light
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what}={device!r} is not a device (use one of {', '.join(allowed)}"
+                         f"{'[:N]' if 'cuda' in allowed else ''})") from None
+    if dev.type not in allowed:
+        raise ValueError(f"{what}={device!r}: must be one of {', '.join(allowed)}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}={device!r} asked for but torch sees no CUDA device; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{what}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
