@@ -19,6 +19,9 @@ class GreedyAcceptance(ChainRule):
 
     lossless = True
     name = "greedy"
+    # It emits argmaxes whatever the sampling settings: the loop refuses it unless temperature
+    # is 0 (with temperature > 0 it would silently decode greedily).
+    greedy_only = True
 
     def accept_probability(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         return (p.argmax(-1) == x).to(p.dtype)

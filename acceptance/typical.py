@@ -59,6 +59,15 @@ class TypicalAcceptance(ChainRule):
     def residual(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         return p
 
+    def at_temperature_zero(self) -> "TypicalAcceptance":
+        """At temperature 0 p is a one-hot with entropy 0, so the threshold is min(epsilon, alpha)
+        < 1 = p(argmax) (or >= 1, and nothing is accepted): only the argmax is ever accepted and
+        the next token is the argmax. That is greedy decoding token for token, so the loop's
+        copy of the rule reports itself lossless (`SpecStats.lossless`)."""
+        rule = TypicalAcceptance(self.epsilon, self.alpha)
+        rule.lossless = True
+        return rule
+
     def distortion(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         return self.distortion_given(x, p, q, self.accept_probability(x, p, q))
 

@@ -135,6 +135,10 @@ def _resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig, targe
         kwargs = _rule_tables(acceptance, kwargs, target, drafter)
     rule = get_rule(acceptance, **kwargs)
     check_rule(rule)
+    if getattr(rule, "greedy_only", False) and not sampling.greedy:
+        raise ValueError(
+            f"acceptance={getattr(rule, 'name', type(rule).__name__)!r} decodes greedily (argmax) and would ignore "
+            f"temperature={sampling.temperature}; pass temperature=0 for greedy decoding, or acceptance='exact' to sample")
     if sampling.greedy and hasattr(rule, "at_temperature_zero"):
         rule = rule.at_temperature_zero()
     return rule

@@ -55,3 +55,27 @@ def test_rejected_draft_is_replaced_by_a_target_sample():
 def test_invalid_arguments(kwargs, word):
     with pytest.raises(ValueError, match=word):
         TypicalAcceptance(**kwargs)
+
+
+@pytest.mark.parametrize("epsilon,alpha", [(0.09, 0.3), (1.0, 2.0)], ids=["medusa", "threshold-one"])
+def test_at_temperature_zero_it_is_greedy_decoding_and_says_so(epsilon, alpha):
+    """Greedy sampling makes p a one-hot: typical acceptance keeps only argmax drafts (or none),
+    so the output equals plain greedy `generate` and the stats report the run lossless (they
+    reported it lossy, the rule's general flag)."""
+    import mmspec
+    from mmspec.drafters import ModelDrafter
+
+    from conftest import left_padded, noisy_copy, tiny_llama
+
+    target = tiny_llama(layers=2, seed=0)
+    drafter = noisy_copy(target, 0.3)
+    ids, mask = left_padded([7, 4, 5])
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0)
+    rule = TypicalAcceptance(epsilon, alpha)
+    out = mmspec.speculative_generate(target, ModelDrafter(drafter, 3), ids, mask, acceptance=rule, temperature=0,
+                                      max_new_tokens=12, pad_token_id=0, eos_token_id=2)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.lossless and not rule.lossless  # the caller's rule object is not changed
+    sampled = mmspec.speculative_generate(target, ModelDrafter(drafter, 3), ids, mask, acceptance=rule,
+                                          temperature=1.0, max_new_tokens=4, generator=torch.Generator().manual_seed(0))
+    assert not sampled.stats.lossless

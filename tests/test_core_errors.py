@@ -39,6 +39,8 @@ def run(pair, **kw):
         (dict(acceptance="nope"), "acceptance"),
         (dict(eos_token_id=-3), "eos_token_id"),
         (dict(pad_token_id=-1), "pad_token_id"),
+        # The greedy rule emits argmaxes: with temperature > 0 it silently decoded greedily.
+        (dict(acceptance="greedy", temperature=1.0), "acceptance='greedy' decodes greedily"),
     ],
 )
 def test_bad_arguments_raise_value_error(pair, kwargs, word):
