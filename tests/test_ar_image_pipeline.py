@@ -154,6 +154,15 @@ def test_bad_input_is_refused_by_name(tmp_path):
         pipe(torch.tensor([[0, 1]]))
     with pytest.raises(TypeError, match="generator"):  # was an AttributeError in the first draw
         pipe([0], generator=5)
+    # Below 1, LlamaGen (cfg_scale > 1.0 only) and diffusers sample unguided; mmspec computed
+    # u + s (c - u) (for 0: the unconditional branch alone). Refused under both schedules.
+    for schedule in ("constant", "linear"):
+        for scale in (0.0, 0.5, -2.0):
+            with pytest.raises(ValueError, match=f"guidance_scale={scale}: LlamaGen's sampling"):
+                pipe([0], guidance_scale=scale, cfg_schedule=schedule)
+    from mmspec.models.llamagen_sample import generate_plain
+    with pytest.raises(ValueError, match="cfg_scale=0.5"):
+        generate_plain(pipe.target, torch.tensor([0]), cfg_scale=0.5)
     no_null = SpeculativeARImagePipeline(target=tiny_gpt(0, null_class=False, dtype=torch.float32), vq=tiny_vq(torch.float32))
     with pytest.raises(ValueError, match="no unconditional branch"):
         no_null([0], guidance_scale=4.0)

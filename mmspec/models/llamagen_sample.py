@@ -19,6 +19,7 @@ is greedy (argmax of the guided logits).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -26,6 +27,19 @@ import torch
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 
 CFG_SCHEDULES = ("constant", "linear")
+
+
+def check_guidance_scale(scale, name: str = "guidance_scale") -> None:
+    """A finite number >= 1. LlamaGen's sampling applies guidance only above 1 (``if cfg_scale >
+    1.0``; diffusers' pipelines the same), so a scale below 1 means "no guidance" there, while
+    the guided logits ``u + s * (c - u)`` would move toward the unconditional branch: refused
+    rather than given either meaning silently."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{name} must be a finite number, got {scale!r}")
+    if scale < 1:
+        raise ValueError(f"{name}={scale}: LlamaGen's sampling (and diffusers) apply classifier-free guidance only "
+                         f"above 1 and read a scale below 1 as no guidance, while u + s (c - u) would move toward the "
+                         f"unconditional branch; pass 1 for no guidance or a scale > 1")
 
 
 def cfg_scale_at(schedule: str, scale: float, index: int, num_tokens: int) -> float:
@@ -80,6 +94,7 @@ def generate_plain(model, labels: torch.Tensor, num_tokens: Optional[int] = None
     if top_k is not None and top_k > args.vocab_size:
         raise ValueError(f"top_k={top_k} exceeds the codebook size vocab_size={args.vocab_size}")
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    check_guidance_scale(cfg_scale, "cfg_scale")
     scales = [cfg_scale_at(cfg_schedule, cfg_scale, i, num_tokens) for i in range(num_tokens)]
     guided = any(s != 1.0 for s in scales)
     if guided and not args.has_null_class:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from mmspec.guided import GuidedTarget
+from mmspec.models.llamagen_sample import check_guidance_scale
 from mmspec.models.prepack import for_rows, kernels_of, maybe_packed, refresh
 from mmspec.ragged import Attention, RaggedKV
 from mmspec.spec import ForwardSpec, SpecOutput
@@ -216,8 +217,7 @@ def llamagen_target(
     """The speculative target of a LlamaGen c2i GPT: plain (`guidance_scale == 1`) or CFG with the
     constant / linear schedule over `num_tokens` image tokens (default: the GPT's block size).
     `prepack`: see `LlamaGenSpec`. Refuses guidance on a GPT without a null class (ValueError)."""
-    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)):
-        raise ValueError(f"guidance_scale must be a number, got {guidance_scale!r}")
+    check_guidance_scale(guidance_scale)
     num_tokens = gpt.args.block_size if num_tokens is None else int(num_tokens)
     schedule = cfg_schedule_fn(cfg_schedule, guidance_scale, num_tokens)  # validates the name
     if not guidance_needed(guidance_scale, cfg_schedule):
