@@ -330,6 +330,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         step, tokens_done, {"tokens": [B, T] (-1 = not yet), "num_tokens": [B]})` runs after every
         target forward; it stops the run by returning {"stop": True} or setting `pipe._interrupt`."""
         labels = self._labels(class_labels)
+        if not isinstance(speculative, bool):  # a string such as "no" would read as True
+            raise TypeError(f"speculative must be True or False, got {speculative!r}")
         if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
         if output_type not in OUTPUT_TYPES:

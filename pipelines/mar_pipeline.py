@@ -73,6 +73,8 @@ class SpeculativeMARPipeline(DiffusionPipeline):
     ):
         """Generate one image per class label. -> `MARPipelineOutput(images, stats)` (or a
         tuple when return_dict=False)."""
+        if not isinstance(speculative, bool):  # a string such as "no" would read as True
+            raise TypeError(f"speculative must be True or False, got {speculative!r}")
         if isinstance(class_labels, int):
             class_labels = [class_labels]
         labels = torch.as_tensor(class_labels)

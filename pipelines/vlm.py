@@ -254,6 +254,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError(f"{len(prompts)} prompts for {n} images; give one prompt per image (None = caption)")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
+        if not isinstance(speculative, bool):  # a string such as "no" would read as True
+            raise TypeError(f"speculative must be True or False, got {speculative!r}")
         if speculative and self.drafter is None:
             raise ValueError("speculative=True needs a drafter: pass drafter= to from_pretrained, call "
                              "pipe.load_drafter(...), or use speculative=False")

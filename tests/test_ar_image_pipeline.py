@@ -154,6 +154,8 @@ def test_bad_input_is_refused_by_name(tmp_path):
         pipe(torch.tensor([[0, 1]]))
     with pytest.raises(TypeError, match="generator"):  # was an AttributeError in the first draw
         pipe([0], generator=5)
+    with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
+        pipe([0], speculative="no")
     # Below 1, LlamaGen (cfg_scale > 1.0 only) and diffusers sample unguided; mmspec computed
     # u + s (c - u) (for 0: the unconditional branch alone). Refused under both schedules.
     for schedule in ("constant", "linear"):

@@ -262,6 +262,8 @@ def test_pipeline_refuses_bad_inputs():
         pipe([0], num_iter=2)
     with pytest.raises(ValueError, match="class_labels"):
         pipe([7], num_iter=2, speculative=False)
+    with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
+        pipe([0], num_iter=2, speculative="no")
     for bad in (0, -1, 17, 2.0, True):  # 16 tokens
         with pytest.raises(ValueError, match="num_iter"):
             pipe([0], num_iter=bad, speculative=False)

@@ -101,6 +101,8 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         pipe([img], ["<image> describe the image"])
     with pytest.raises(ValueError, match="2 prompts for 1 images"):
         pipe(img[:1], ["a", "b"])
+    with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
+        pipe(img[:1], speculative="no")
     wide = EagleHead(EagleHeadConfig.for_target(model, hidden_size=64, intermediate_size=64))
     with pytest.raises(ValueError, match="hidden size 64"):
         pipe.add_drafter("wide", DrafterComponent.from_head(wide.double()))
