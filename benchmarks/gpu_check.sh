@@ -5,6 +5,9 @@
 #   vlm       `mmspec bench vlm --device cuda` on the bundled testbed VLM (captions and VQA, batch 1 and 4),
 #   imagegen  `mmspec bench imagegen --device cuda` on the bundled testbed generator (batch 1 and 8;
 #             speed only: the judge's quality figures are the CPU run's, same seeds),
+#   mar       `mmspec bench mar --device cuda` on the bundled testbed MAR pair (batch 1 and 8; plain,
+#             exact and relaxed CSpD and the fewer-steps rows; speed only): on the GPU a CSpD verify's
+#             prefix sequences are extra rows of one forward, on the CPU each costs a plain step,
 #   b4        `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh
 #             prompt per call) on text at batch 4; the auto row carries its controller's estimates, and a
 #             row of auto held at K = 5 tells whether the adaptive path itself costs per step,
@@ -12,7 +15,8 @@
 #   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
 # Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
 # SECONDS (default 540) bounds the whole script; each step gets what is left (vlm at most 160 s,
-# imagegen 200 s). Figures and logs go to OUTDIR (at most 8 files: the device tool brings back 8).
+# imagegen 200 s, mar 120 s). Figures and logs go to OUTDIR (8 files: the device tool brings back 8;
+# SDPA_PROBE=1 adds a ninth, so drop a step then).
 # A `.whl/` folder of wheels is installed first when present: the machine has torch and
 # transformers' own dependencies but not diffusers, einops or pillow (session 30), so carry
 # transformers (the tested version), diffusers, importlib_metadata, zipp, einops, pillow and
@@ -23,7 +27,7 @@ OUT=${1:?usage: gpu_check.sh OUTDIR [SECONDS]}
 BUDGET=${2:-540}
 END=$(( $(date +%s) + BUDGET ))
 left() { echo $(( END - $(date +%s) )); }
-STEPS=",${STEPS:-tests,vlm,imagegen,b4,b1},"  # which steps to run (comma-separated)
+STEPS=",${STEPS:-tests,vlm,imagegen,mar,b4,b1},"  # which steps to run (comma-separated)
 step() { case "$STEPS" in *",$1,"*) return 0;; *) return 1;; esac; }
 bounded() { local s=$1; shift; if [ "$s" -gt 10 ]; then timeout "$s" "$@"; else echo "skipped (no time left): $*"; fi; }
 mkdir -p "$OUT"
@@ -55,6 +59,12 @@ if step imagegen; then
 echo "== bench imagegen on the GPU: the testbed generator at batch 1 and 8 ($(left) s left)"
 bounded $(( $(left) > 240 ? 200 : $(left) - 40 )) python3 -m mmspec.cli bench imagegen --model "$ROOT/assets/testbed/imagegen" --device cuda --judge-images 0 --repeats 2 \
   --json "$OUT/bench_imagegen_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
+fi
+
+if step mar; then
+echo "== bench mar on the GPU: the testbed MAR pair at batch 1 and 8 ($(left) s left)"
+bounded $(( $(left) > 200 ? 120 : $(left) - 60 )) python3 -m mmspec.cli bench mar --model "$ROOT/assets/testbed/mar" --device cuda --no-judge --repeats 2 \
+  --json "$OUT/bench_mar_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 fi
 
 if step b4; then

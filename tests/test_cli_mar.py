@@ -151,6 +151,9 @@ def test_bench_mar_refusals(folder, tmp_path, monkeypatch):
         main(["bench", "mar", "--model", str(tmp_path)])
     with pytest.raises(SystemExit, match="scores 64x64 testbed images of 32 classes; this MAR makes 16x16 images of 5"):
         main(["bench", "mar", "--model", str(folder), "--judge", str(bench_mar.JUDGE_DIR), "--num-images", "1"])
+    if not torch.cuda.is_available():  # the device is checked before the pipeline is loaded
+        with pytest.raises(SystemExit, match="device='cuda' asked for but torch sees no CUDA device"):
+            main(["bench", "mar", "--model", str(folder), "--device", "cuda"])
     # the judge is on by default only for folders that `mmspec testbed train-mar` made
     assert bench_mar._judge_default(str(folder)) is None
     trained = save_pair(tmp_path / "trained", metrics={"judge_vae_recon": {"accuracy": 0.5}})

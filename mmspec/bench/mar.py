@@ -20,6 +20,12 @@ trades steps for quality by design): rows `plain@N` (`--plain-iters`, default ha
 of the steps; `--plain-iters 0` for none) sample plainly with N steps, timed and judged beside
 the others, so a lossy method's speed is read against what fewer steps alone buy.
 
+`--device cuda` moves the pipeline to the GPU (the generators stay on the CPU, diffusers'
+convention; each chunk ends with a device sync so wall times are the GPU's work). There a CSpD
+verify call's prefix sequences (one per drafted step and row) are extra rows of one batched
+forward, which costs about what one row costs while the GPU is underused; on a CPU each row
+costs its own compute, so the verify costs about as many plain steps as it has prefixes.
+
 Limits: timings are of this machine and its load (take them on a quiet machine with fixed
 --threads); MAR's token grid must be small for CPU runs.
 """
@@ -36,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.devices import check_device
 from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
 from mmspec.testbed.judge_model import JUDGE_DIR
 JUDGE_IMAGE_SIZE = 64  # the testbed world's image size, which the judge was trained on
@@ -62,6 +69,7 @@ class MARBenchConfig:
     judge_images: int = 256  # images per method for the judge
     draft_head_steps: int | None = None  # the drafter's head sampling steps (None: its folder's)
     plain_iters: tuple[int, ...] | None = None  # `plain@N` peer rows; None: num_iter // 2 and // 4
+    device: str = "cpu"
 
     def __post_init__(self):
         if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
@@ -77,6 +85,7 @@ class MARBenchConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.draft_head_steps is not None and self.draft_head_steps < 2:
             raise ValueError(f"draft_head_steps must be >= 2, got {self.draft_head_steps}")
+        check_device(self.device)
         if self.plain_iters is not None and any(not isinstance(n, int) or n < 1 for n in self.plain_iters):
             raise ValueError(f"plain_iters must be ints >= 1 (generation steps of the plain@N rows), got {self.plain_iters}")
 
@@ -130,6 +139,7 @@ def run_method(pipe, labels: list[int], B: int, call: dict, seed: int) -> dict:
         chunk = labels[i:i + B]
         gen = torch.Generator().manual_seed(seed * 100_003 + i)
         s = pipe(chunk, **call, generator=gen, output_type="latent").stats
+        _sync(pipe)
         n = len(chunk)
         t["target"] += s.spec.target_calls * n
         t["draft"] += s.spec.draft_calls * n
@@ -149,6 +159,13 @@ def run_method(pipe, labels: list[int], B: int, call: dict, seed: int) -> dict:
             # residual) for CSpD; a drafter step (forward + head trajectory)
             "ms_per_target_call": 1e3 * t["sec_t"] / t["calls_t"] if t["calls_t"] else None,
             "ms_per_draft_call": 1e3 * t["sec_d"] / t["calls_d"] if t["calls_d"] else None}
+
+
+def _sync(pipe) -> None:
+    """Wait for the pipeline's device (CUDA work is asynchronous; a no-op on the CPU)."""
+    device = pipe.transformer.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def check_judge(pipe, judge_dir) -> None:
@@ -175,7 +192,7 @@ def judge_quality(pipe, cfg: MARBenchConfig, call: dict, progress) -> dict:
         for i in range(0, len(labels), 32):
             gen = torch.Generator().manual_seed(cfg.seed + 7 + 1009 * i)  # same seeds for both methods
             o = pipe(labels[i:i + 32], **method_call(cfg, call, method), generator=gen, output_type="pt")
-            pixels.append(o.images * 2 - 1)
+            pixels.append(o.images.float().cpu() * 2 - 1)  # the judge runs on the CPU
         score = judge.score(torch.cat(pixels), labels)
         out[method] = {"images": len(labels), **{k: round(v, 4) for k, v in score.items()}}
         progress(f"judge {method}: {out[method]}")
@@ -188,6 +205,7 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
     pipe = load_mar(cfg.model)
     if pipe.drafter is None:
         raise ValueError(f"model={cfg.model!r} has no drafter MAR: CSpD needs one")
+    pipe.to(cfg.device)
     if cfg.judge is not None:
         check_judge(pipe, cfg.judge)
     if cfg.draft_head_steps is not None:
@@ -200,7 +218,7 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
         "image_tokens": t.seq_len, "token_dim": t.token_embed_dim, "classes": t.config.class_num,
         "head_steps": t.config.num_sampling_steps, "drafter_head_steps": d.config.num_sampling_steps,
         "image_size": t.config.img_size,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "device": _device_name(pipe),
     }, "batches": []}
     labels = [i % t.config.class_num for i in range(cfg.num_images)]
     for B in cfg.batch_sizes:
@@ -236,6 +254,11 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
     return report
 
 
+def _device_name(pipe) -> str:
+    device = pipe.transformer.device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def _median_or_none(values) -> float | None:
     vals = [v for v in values if v is not None]
     return round(statistics.median(vals), 3) if vals else None
@@ -247,7 +270,7 @@ def format_table(report: dict) -> str:
              f"{m['drafter_parameters'] / 1e6:.2f}M, {m['image_tokens']} tokens x {m['token_dim']} dims/image, "
              f"{c['num_iter']} steps, guidance {c['guidance_scale']} ({c['cfg_schedule']}), temperature {c['temperature']}, "
              f"{c['num_draft_steps']} draft steps/round, head steps {m['head_steps']} (drafter "
-             f"{m.get('drafter_head_steps', m['head_steps'])}), threads {m['torch_threads']}"]
+             f"{m.get('drafter_head_steps', m['head_steps'])}), threads {m['torch_threads']}, device {m.get('device', 'cpu')}"]
     for e in report["batches"]:
         lines.append(f"\nbatch {e['batch_size']} ({c['num_images']} images per run, median of {c['repeats']} runs)")
         lines.append(f"{'method':<14}{'tgt fwd/img':>12}{'drf fwd/img':>12}{'accept':>8}{'fallbacks':>10}"
@@ -314,6 +337,7 @@ def main(argv: list[str]) -> int:
                    "the steps; 0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
     j = p.add_mutually_exclusive_group()
     j.add_argument("--judge", default=None, help="testbed judge folder: score plain and CSpD images "
                    "(default: on for folders made by `mmspec testbed train-mar`)")
@@ -344,7 +368,7 @@ def main(argv: list[str]) -> int:
                              num_draft_steps=args.num_draft_steps, prefill_fraction=args.prefill_fraction,
                              inner_temperature=args.inner_temperature, draft_head_steps=args.draft_head_steps,
                              seed=args.seed, threads=args.threads, judge=judge, judge_images=args.judge_images,
-                             plain_iters=plain_iters)
+                             plain_iters=plain_iters, device=args.device)
         report = run(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench mar: {e}") from None
