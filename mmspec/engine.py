@@ -379,7 +379,9 @@ def speculative_generate(
     `sequences[:, L:]` are the new tokens. `temperature=0` is greedy. `acceptance` is a rule
     name from `mmspec.acceptance.RULES` (built with `acceptance_kwargs`, e.g. the LANTERN
     codebook) or a rule object. `model_inputs` (pixel_values, image_grid_thw, ...) go to the
-    target's prefill; the target refuses any it does not use."""
+    target's prefill; the target refuses any it does not use. `eos_token_id=None` stops rows only
+    at `max_new_tokens` (unlike transformers' `generate`, the model's generation config is not
+    read): pass the tokenizer's EOS id(s) to end rows there."""
     sampling = SamplingConfig(temperature, top_k, top_p)
     check_generator(generator)
     attention_mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
