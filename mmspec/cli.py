@@ -106,7 +106,13 @@ def cmd_generate(args) -> int:
     from mmspec.models.llamagen_gpt import LlamaGenGPT
 
     model = args.model or DEFAULT_MODEL
+    from mmspec.devices import check_device
     from mmspec.pipelines.mar_cli import check_discrete_options, cmd_generate_mar, is_mar_folder
+
+    try:
+        check_device(args.device, "--device")
+    except ValueError as e:
+        raise SystemExit(f"mmspec generate: {e}") from None
 
     if is_mar_folder(model):  # continuous tokens: SpeculativeMARPipeline with CSpD
         return cmd_generate_mar(args, model)
@@ -115,6 +121,8 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = load_pipeline(model)
+    if torch.device(args.device).type != "cpu":  # the seeds' generators stay on the CPU (diffusers' convention)
+        pipe.to(args.device)
     pipe.set_progress_bar_config(disable=args.json)
     if args.drafter == "jacobi":
         pipe.drafter = JacobiDrafter(args.window, None if args.coupling == "none" else args.coupling)
@@ -287,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there; seeds stay on the CPU)")
     p.add_argument("--compare", action="store_true", help="also decode plainly on the same seed; print the speed-up")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     p.add_argument("--out", required=True, help="output folder for the PNGs")

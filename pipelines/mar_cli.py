@@ -125,6 +125,8 @@ def cmd_generate_mar(args, model: str) -> int:
         pipe = load_mar(model)
     except ValueError as e:
         raise SystemExit(f"mmspec generate: {e}") from None
+    if torch.device(args.device).type != "cpu":  # checked by `mmspec generate` before loading
+        pipe.to(args.device)
     pipe.set_progress_bar_config(disable=args.json)
     if pipe.drafter is None:
         raise SystemExit(f"mmspec generate: {model} has no drafter MAR, so it cannot sample speculatively")

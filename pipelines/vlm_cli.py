@@ -37,12 +37,17 @@ def _run(args, images, prompts) -> int:
 
     from .vlm import SpeculativeVLMPipeline
 
+    from mmspec.devices import check_device
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        check_device(args.device, "--device")
         pipe = SpeculativeVLMPipeline.from_pretrained(_model_dir(args), drafter=None)
         if args.drafter:
             pipe.load_drafter(args.drafter)
+        if torch.device(args.device).type != "cpu":  # the seed's generator stays on the CPU (diffusers' convention)
+            pipe.to(args.device)
     except ValueError as e:
         raise SystemExit(f"mmspec {args.command}: {e}") from None
     speculative = pipe.drafter is not None
@@ -119,6 +124,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
     p.add_argument("--compare", action="store_true", help="also decode plainly: speed-up and identical answers")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 

@@ -37,6 +37,17 @@ def test_cuda_without_a_gpu_is_refused_before_any_work():
         TrainDrafterConfig(pipeline="p", drafter="eagle", out="o", device="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("argv", [["generate", "--class", "1", "--out", "OUT"],
+                                  ["caption", "assets/testbed/images/scene_00.png"]], ids=["generate", "caption"])
+def test_cli_device_without_a_gpu_is_refused_by_name(argv, tmp_path):
+    from mmspec.cli import main
+
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit, match="--device='cuda' asked for but torch sees no CUDA device"):
+        main([*argv, "--device", "cuda"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_devices_this_machine_has_pass_and_others_do_not():
     check_device("cuda")
