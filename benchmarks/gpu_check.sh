@@ -14,6 +14,8 @@
 #   b1        text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention choice,
 #   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
 # Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
+# All steps take ~15 minutes; a device call may run 10 (and a session holds ~15 in all), so split
+# them: STEPS=tests,vlm,imagegen (~8 min), then STEPS=mar,b4,b1 on the still-warm machine.
 # SECONDS (default 540) bounds the whole script; each step gets what is left (vlm at most 160 s,
 # imagegen 200 s, mar 120 s). Figures and logs go to OUTDIR (8 files: the device tool brings back 8;
 # SDPA_PROBE=1 adds a ninth, so drop a step then).
