@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from mmspec.devices import check_device
+from mmspec.models.llamagen_sample import check_guidance_scale
 from mmspec.testbed.judge_model import JUDGE_DIR
 
 STAGES = ("vq", "data", "target", "drafter", "eval")
@@ -91,6 +92,8 @@ class ImageGenTrainConfig:
         if self.n_eval < 32:
             raise ValueError(f"n_eval={self.n_eval}: needs >= 32 (one image per class at least)")
         check_device(self.device)  # before the VQ stage, not after it
+        for scale in (self.guidance_scale, *self.guidance_grid):  # before training, not at the eval stage
+            check_guidance_scale(scale, "guidance_scale" if scale == self.guidance_scale else "guidance_grid entry")
         self.world_config()
         self.target_config()
         self.drafter_config()
