@@ -78,3 +78,15 @@ def test_demo_image_section(folder, tmp_path):
     report = json.loads((tmp_path / "demo" / "imagegen_demo.json").read_text())
     assert [b["batch_size"] for b in report["batches"]] == [1, 8]
     assert all(m in text for m in DEMO_METHODS)
+
+
+def test_train_imagegen_refuses_guidance_below_one_before_training():
+    """Its eval samples with LlamaGen's guidance, which refuses scales below 1 (llamagen_sample):
+    the config says so up front instead of after the VQ and GPT stages."""
+    from mmspec.testbed.imagegen_train import ImageGenTrainConfig
+
+    ImageGenTrainConfig()
+    with pytest.raises(ValueError, match="guidance_scale=0.5"):
+        ImageGenTrainConfig(guidance_scale=0.5)
+    with pytest.raises(ValueError, match="guidance_grid entry=0.0"):
+        ImageGenTrainConfig(guidance_grid=(0.0, 2.0))
