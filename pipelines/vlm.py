@@ -28,6 +28,7 @@ an image file that is missing or cannot be decoded is reported in that item's `e
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,17 @@ def check_target(model) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"SpeculativeVLMPipeline supports model types {SUPPORTED_MODEL_TYPES}; "
                          f"{type(model).__name__} is {model_type!r}")
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def check_drafter_name(name, where: str = "drafter name") -> None:
+    """A drafter's name becomes a folder under drafters/ when the pipeline is saved: one path
+    component of letters, digits, '_', '.', '-' (no separators, no '..', not empty)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"{where} {name!r}: use letters, digits, '_', '.' or '-' (it names a folder under "
+                         "drafters/ when the pipeline is saved; no path separators or '..')")
 
 
 def merge_stats(parts: list[SpecStats]) -> SpecStats:
@@ -121,6 +133,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         return out
 
     def add_drafter(self, name: str, drafter: DrafterComponent, *, active: bool = True) -> None:
+        """Register `drafter` under `name` (a folder name under drafters/ when saved; a drafter of
+        that name is replaced) and, with `active`, make it the one used."""
+        check_drafter_name(name)
         self._check_drafter(drafter)
         self.drafters[name] = drafter
         if active:
@@ -137,7 +152,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError(f"no drafter {str(name_or_dir)!r}: not one saved with this pipeline ({known}) and not a "
                              "folder holding a saved DrafterComponent")
         drafter = DrafterComponent.from_pretrained(str(path), low_cpu_mem_usage=False, torch_dtype=self.target.dtype)
-        self.add_drafter(path.name, drafter)
+        # registered under the folder's name, made a valid drafter name ("my drafter" -> "my_drafter")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", path.resolve().name).replace("..", "_").lstrip("._-") or "drafter"
+        self.add_drafter(name[:100], drafter)
         return drafter
 
     # ---- save / load ----------------------------------------------------------------------------------
@@ -188,6 +205,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         pipe = cls(target, processor, None, caption_prompt=(index or {}).get("caption_prompt", DEFAULT_CAPTION_PROMPT))
         if index:
             for name in index.get("drafters", []):
+                check_drafter_name(name, f"{d / INDEX}: drafters entry")
                 comp = DrafterComponent.from_pretrained(str(d / "drafters" / name), low_cpu_mem_usage=False,
                                                         torch_dtype=target.dtype)
                 pipe.add_drafter(name, comp, active=False)

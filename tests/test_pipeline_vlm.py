@@ -6,6 +6,8 @@ corrupt image file is reported in its item while the rest of the batch is answer
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -103,6 +105,20 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         pipe(img[:1], ["a", "b"])
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe(img[:1], speculative="no")
+    # A drafter's name is its folder under drafters/ when saved: '../x' was saved beside drafters/,
+    # '' into drafters/ itself; a crafted model_index.json entry is refused the same way.
+    for bad in ("../x", "", "a/b", ".hidden"):
+        with pytest.raises(ValueError, match="drafter name"):
+            pipe.add_drafter(bad, pipe.drafter)
+    pipe.save_pretrained(tmp_path / "saved")
+    index = json.loads((tmp_path / "saved" / "model_index.json").read_text())
+    index["drafters"].append("../../outside")
+    (tmp_path / "saved" / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="drafters entry '../../outside'"):
+        SpeculativeVLMPipeline.from_pretrained(tmp_path / "saved")
+    pipe.drafter.save_pretrained(tmp_path / "my drafter")  # a folder name that is not a drafter name
+    pipe.load_drafter(str(tmp_path / "my drafter"))
+    assert "my_drafter" in pipe.drafters and pipe.drafter is pipe.drafters["my_drafter"]
     wide = EagleHead(EagleHeadConfig.for_target(model, hidden_size=64, intermediate_size=64))
     with pytest.raises(ValueError, match="hidden size 64"):
         pipe.add_drafter("wide", DrafterComponent.from_head(wide.double()))
