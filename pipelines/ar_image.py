@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,7 +52,6 @@ from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
 from mmspec.stats import SpecStats
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_DRAFTER_CONFIG = {"kind": "model", "num_draft_tokens": 4, "tree": None, "window": 16,
                           "coupling": "maximal", "init": "random"}
@@ -231,9 +229,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             settings.update(kind="jacobi", window=d.window, coupling=d.coupling, init=d.init)
         elif isinstance(d, LlamaGenGPT):
             settings["kind"] = "model"
-        elif d is not None:
-            logger.warning("drafter %s cannot be saved; the saved pipeline drafts with JacobiDrafter", type(d).__name__)
-            settings["kind"] = "jacobi"
+        elif d is not None:  # the saved folder would silently draft with something else
+            raise ValueError(f"pipe.drafter is a {type(d).__name__}, which a saved pipeline cannot hold (it saves a "
+                             "JacobiDrafter's settings or a LlamaGenGPT drafter); set pipe.drafter to one of those, or "
+                             "to None (the folder then drafts with its drafter_config), before save_pretrained")
         self.register_to_config(drafter_config=settings)
         self.register_to_config(drafter=_fetch_class_library_tuple(d) if isinstance(d, ModelMixin) else (None, None))
         return super().save_pretrained(save_directory, *args, **kwargs)

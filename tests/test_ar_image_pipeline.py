@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmspec.drafters import JacobiDrafter, ModelDrafter
+from mmspec.drafters import JacobiDrafter, ModelDrafter, NullDrafter
 from mmspec.models.llamagen_sample import generate_plain
 from mmspec.models.llamagen_spec import LlamaGenSpec
 from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig
@@ -156,6 +156,12 @@ def test_bad_input_is_refused_by_name(tmp_path):
         pipe([0], generator=5)
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe([0], speculative="no")
+    # A drafter the folder cannot hold: it was saved with a warning, and the folder drafted
+    # with a JacobiDrafter instead.
+    pipe.drafter = NullDrafter(30)
+    with pytest.raises(ValueError, match="pipe.drafter is a NullDrafter, which a saved pipeline cannot hold"):
+        pipe.save_pretrained(tmp_path / "other")
+    pipe.drafter = None
     # Below 1, LlamaGen (cfg_scale > 1.0 only) and diffusers sample unguided; mmspec computed
     # u + s (c - u) (for 0: the unconditional branch alone). Refused under both schedules.
     for schedule in ("constant", "linear"):
