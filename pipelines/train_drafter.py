@@ -69,7 +69,18 @@ def data_items(config: TrainDrafterConfig, image_size: int = 64) -> list[tuple]:
         raise ValueError(f"--data {folder} is not a folder")
     index = folder / "scenes.jsonl"
     if index.is_file():
-        rows = [json.loads(line) for line in index.read_text().splitlines() if line.strip()]
+        rows = []
+        for n, line in enumerate(index.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{index} line {n} is not JSON ({e}); each line is one scene "
+                                 '{"image": FILE, "qa": [[question, answer], ...]} as `mmspec testbed data` writes') from None
+            if not isinstance(row, dict) or not isinstance(row.get("image"), str):
+                raise ValueError(f"{index} line {n} names no image (a JSON object with an \"image\" file name)")
+            rows.append(row)
         items = [(folder / r["image"], (r["qa"][rng.randrange(len(r["qa"]))][0] if r.get("qa") and i % 2 else None))
                  for i, r in enumerate(rows)]
     else:

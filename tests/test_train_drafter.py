@@ -149,3 +149,19 @@ def test_learning_rate_schedules(setup, tmp_path):
     assert ckpt["optim"]["param_groups"][0]["lr"] == pytest.approx(5e-4)
     with pytest.raises(ValueError, match=r"was trained with \{'steps': 3\}"):
         train_drafter(TrainDrafterConfig(out=str(tmp_path / "c"), steps=5, **common), pipe=pipe)
+
+
+def test_a_malformed_scenes_index_is_refused_naming_file_and_line(tmp_path):
+    """--data folders may carry `mmspec testbed data`'s scenes.jsonl; a broken line used to end the
+    command with json's bare message (no file, no line)."""
+    from mmspec.pipelines.train_drafter import data_items
+
+    config = TrainDrafterConfig(pipeline="p", drafter="eagle", out="o", data=str(tmp_path))
+    (tmp_path / "scenes.jsonl").write_text('{"image": "a.png", "qa": []}\n\n{broken\n')
+    with pytest.raises(ValueError, match=r"scenes.jsonl line 3 is not JSON"):
+        data_items(config)
+    (tmp_path / "scenes.jsonl").write_text('{"image": "a.png"}\n{"qa": []}\n')
+    with pytest.raises(ValueError, match=r"scenes.jsonl line 2 names no image"):
+        data_items(config)
+    (tmp_path / "scenes.jsonl").write_text('{"image": "a.png", "qa": [["what ?", "it"]]}\n{"image": "b.png"}\n')
+    assert [p.name for p, _ in data_items(config)] == ["a.png", "b.png"]
