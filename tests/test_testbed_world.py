@@ -182,3 +182,20 @@ def test_centred_main_object_stays_within_the_jitter_and_is_drawn_there():
 def test_bad_placement_settings_raise(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         WorldConfig(**kwargs)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["data", "--out", "OUT", "--n", "-1"], "testbed data: --n must be >= 1"),  # printed "wrote -1 scenes"
+    (["train-vq", "--out", "OUT", "--steps", "0"], "testbed train-vq: VQTrainConfig.steps must be >= 1"),  # a traceback
+    (["eval-vq", "--n", "0"], "testbed eval-vq: --n must be >= 1"),
+    (["eval-judge", "--n", "1"], "testbed eval-judge: --n must be >= 2"),  # "need at least one array to stack"
+    (["caption-stats", "--n", "0"], "testbed caption-stats: --n and --captions must be >= 1"),
+    (["contact-sheet", "--n", "0", "--out", "OUT"], "testbed contact-sheet: --n must be >= 1"),
+], ids=["data", "train-vq", "eval-vq", "eval-judge", "caption-stats", "contact-sheet"])
+def test_testbed_commands_refuse_counts_they_cannot_use(argv, message, tmp_path):
+    from mmspec.cli import main
+
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit, match=message):
+        main(["testbed", *argv])
+    assert not (tmp_path / "out").exists()  # refused before writing anything

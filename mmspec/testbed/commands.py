@@ -28,6 +28,8 @@ def cmd_data(args) -> int:
 
     from mmspec.testbed.world import World
 
+    if args.n < 1:
+        raise SystemExit(f"mmspec testbed data: --n must be >= 1 (scenes to render), got {args.n}")
     os.makedirs(args.out, exist_ok=True)
     world = World(seed=args.seed, image_size=args.image_size, split=args.split)
     with open(os.path.join(args.out, "scenes.jsonl"), "w") as f:
@@ -75,6 +77,8 @@ def cmd_eval_judge(args) -> int:
     from mmspec.testbed.judge_model import Judge
     from mmspec.testbed.world import World
 
+    if args.n < 2:
+        raise SystemExit(f"mmspec testbed eval-judge: --n must be >= 2 (the Frechet distance needs a covariance), got {args.n}")
     judge = Judge.from_pretrained(args.model)
     scenes = World(seed=0, split="test").sample(args.n)
     print(json.dumps(judge.score([s.image for s in scenes], [s.class_label for s in scenes]), indent=2))
@@ -90,6 +94,8 @@ def cmd_caption_stats(args) -> int:
 
     from mmspec.testbed.world import World, WorldConfig
 
+    if args.n < 1 or args.captions < 1:
+        raise SystemExit(f"mmspec testbed caption-stats: --n and --captions must be >= 1, got {args.n} and {args.captions}")
     config = dataclasses.replace(WorldConfig(), captions_per_scene=args.captions)
     scenes = World(seed=0, split="validation", config=config).sample(args.n)
     distinct, entropy = [], []
@@ -116,6 +122,9 @@ def cmd_contact_sheet(args) -> int:
     from mmspec.testbed.judge_model import to_pixels
     from mmspec.testbed.vq_train import psnr as psnr_db
     from mmspec.testbed.world import World
+
+    if args.n < 1:
+        raise SystemExit(f"mmspec testbed contact-sheet: --n must be >= 1, got {args.n}")
 
     vq = LlamaGenVQ.from_pretrained(args.vq).eval()
     scenes = World(seed=0, split="validation").sample(args.n)

@@ -252,7 +252,10 @@ def add_vq_commands(subparsers) -> None:
 
 
 def _cmd_train(args) -> None:
-    cfg = VQTrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, threads=args.threads)
+    try:
+        cfg = VQTrainConfig(steps=args.steps, batch_size=args.batch_size, seed=args.seed, threads=args.threads)
+    except ValueError as e:
+        raise SystemExit(f"mmspec testbed train-vq: {e}") from None
     metrics = train_vq(cfg, args.out)
     metrics["command"] = " ".join(["python -m mmspec.testbed.vq_train"] + sys.argv[1:])
     Path(args.out, "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
@@ -260,6 +263,8 @@ def _cmd_train(args) -> None:
 
 
 def _cmd_eval(args) -> None:
+    if args.n < 1:
+        raise SystemExit(f"mmspec testbed eval-vq: --n must be >= 1, got {args.n}")
     torch.set_num_threads(1)
     print(json.dumps(eval_vq(LlamaGenVQ.from_pretrained(args.model), args.n), indent=2))
 
