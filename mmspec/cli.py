@@ -50,7 +50,7 @@ def _bench_config(args):
             repeats=args.repeats, threads=args.threads, compare_kernels=not args.no_compare_kernels, pair=pair,
         )
     except ValueError as e:
-        raise SystemExit(f"mmspec bench: {e}") from None
+        raise SystemExit(f"mmspec {args.command}: {e}") from None
 
 
 def cmd_bench(args) -> int:
@@ -196,7 +196,6 @@ def cmd_demo(args) -> int:
           "mmspec runs float32 CPU models on prepacked linear weights by default; every method is also timed on\n"
           "the other kernels (transformers on mmspec's packed view), so 'same kern.' shows the speculative gain alone.\n",
           flush=True)
-    args.repeats = args.repeats or 1
     args.suite = "core"
     code = cmd_bench(args)
     if not args.no_images:

@@ -107,6 +107,18 @@ def test_bench_core_refuses_zero_repeats_instead_of_using_the_default():
         main(["bench", "core", "--smoke", "--repeats", "0"])
 
 
+def test_bench_and_demo_refuse_batch_sizes_draft_tokens_and_repeats_by_name():
+    import pytest
+
+    # Before: "num_draft_tokens needs one entry per batch size" for a batch size of 0, a K = 0
+    # accepted, and `demo --repeats 0` ran the whole demo with 1.
+    for argv, word in ((["bench", "--batch-sizes", "0"], "mmspec bench: batch_sizes must be ints >= 1"),
+                       (["bench", "--draft-tokens", "0,3"], "mmspec bench: draft tokens must be ints >= 1"),
+                       (["demo", "--repeats", "0"], "mmspec demo: repeats must be >= 1")):
+        with pytest.raises(SystemExit, match=word):
+            main(argv)
+
+
 def test_bench_core_refuses_batch_sizes_and_draft_lengths_it_cannot_run():
     import pytest
 

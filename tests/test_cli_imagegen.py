@@ -69,6 +69,15 @@ def test_bench_imagegen_refuses_cuda_without_a_gpu(folder):
             main(["bench", "imagegen", "--model", str(folder), "--smoke", "--device", "cuda"])
 
 
+def test_bench_imagegen_refuses_windows_and_judge_counts_up_front(folder):
+    # Before: a window of 0 failed after the pipeline was loaded, a judge count of 1 after every
+    # timed run (both as tracebacks).
+    for extra, word in ((["--window", "0,8"], "window must be ints >= 1"),
+                        (["--judge-images", "1"], "judge_images must be 0 .no judge. or >= 2")):
+        with pytest.raises(SystemExit, match=word):
+            main(["bench", "imagegen", "--model", str(folder), *extra])
+
+
 def test_demo_image_section(folder, tmp_path):
     from mmspec.bench.imagegen import DEMO_METHODS, demo
 

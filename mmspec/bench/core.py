@@ -38,6 +38,10 @@ class BenchConfig:
     pair: PairConfig = field(default_factory=PairConfig)
 
     def __post_init__(self) -> None:
+        if not self.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be ints >= 1, got {self.batch_sizes}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.num_draft_tokens):
+            raise ValueError(f"draft tokens must be ints >= 1, got {self.num_draft_tokens}")
         if len(self.num_draft_tokens) != len(self.batch_sizes):
             raise ValueError("num_draft_tokens needs one entry per batch size")
         if self.max_new_tokens < 1:

@@ -58,10 +58,16 @@ class ImageBenchConfig:
             raise ValueError(f"batch_sizes must be positive ints, got {self.batch_sizes}")
         check_device(self.device)
         for name in ("draft_tokens", "window"):
-            if len(getattr(self, name)) not in (1, len(self.batch_sizes)):
-                raise ValueError(f"{name} needs one value or one per batch size, got {getattr(self, name)}")
+            values = getattr(self, name)
+            if len(values) not in (1, len(self.batch_sizes)):
+                raise ValueError(f"{name} needs one value or one per batch size, got {values}")
+            if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be ints >= 1, got {values}")  # found after the loading before
         if self.images < 1 or self.repeats < 1:
             raise ValueError("images and repeats must be >= 1")
+        if self.judge_images == 1 or self.judge_images < 0:  # found after every timed run before
+            raise ValueError(f"judge_images must be 0 (no judge) or >= 2 (a Frechet distance needs a covariance), "
+                             f"got {self.judge_images}")
         for m in self.methods:
             method_spec(m)  # ValueError naming an unknown method
 
