@@ -28,7 +28,6 @@ an image file that is missing or cannot be decoded is reported in that item's `e
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -62,15 +61,14 @@ def check_target(model) -> None:
                          f"{type(model).__name__} is {model_type!r}")
 
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
-
-
 def check_drafter_name(name, where: str = "drafter name") -> None:
     """A drafter's name becomes a folder under drafters/ when the pipeline is saved: one path
-    component of letters, digits, '_', '.', '-' (no separators, no '..', not empty)."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise ValueError(f"{where} {name!r}: use letters, digits, '_', '.' or '-' (it names a folder under "
-                         "drafters/ when the pipeline is saved; no path separators or '..')")
+    component (no '/' or '\\', not starting with '.', so neither '.' nor '..'), 1-100 printable
+    characters."""
+    if (not isinstance(name, str) or not 1 <= len(name) <= 100 or not name.isprintable() or name.startswith(".")
+            or "/" in name or "\\" in name):
+        raise ValueError(f"{where} {name!r}: a drafter's name is its folder under drafters/ when the pipeline is "
+                         "saved: one folder name (no '/' or '\\', not starting with '.'), 1-100 characters")
 
 
 def merge_stats(parts: list[SpecStats]) -> SpecStats:
@@ -152,9 +150,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError(f"no drafter {str(name_or_dir)!r}: not one saved with this pipeline ({known}) and not a "
                              "folder holding a saved DrafterComponent")
         drafter = DrafterComponent.from_pretrained(str(path), low_cpu_mem_usage=False, torch_dtype=self.target.dtype)
-        # registered under the folder's name, made a valid drafter name ("my drafter" -> "my_drafter")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", path.resolve().name).replace("..", "_").lstrip("._-") or "drafter"
-        self.add_drafter(name[:100], drafter)
+        name = path.resolve().name.lstrip(".")[:100] or "drafter"  # registered under its folder's name
+        self.add_drafter(name, drafter)
         return drafter
 
     # ---- save / load ----------------------------------------------------------------------------------
