@@ -26,6 +26,8 @@ import argparse
 import os
 import sys
 
+from mmspec.cli_types import positive_int
+
 
 def _ints(text: str) -> tuple[int, ...]:
     try:
@@ -241,7 +243,7 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--draft-tokens", type=_ints, default=(4, 3), help="draft tokens K per batch size (default 4,3)")
     p.add_argument("--max-new-tokens", type=int, default=48 if demo else 64)
     p.add_argument("--repeats", type=int, default=2 if demo else 3, help="timed runs per method (median)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--target-layers", type=int, default=14)
     p.add_argument("--perturbation", type=float, default=0.03, help="target/drafter disagreement knob")
     p.add_argument("--seed", type=int, default=0)
@@ -286,14 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=int, default=1, help="images per class")
     p.add_argument("--acceptance", default=None, help="rule name: exact (default), lantern, gsd, ...; MAR: continuous")
     p.add_argument("--drafter", choices=("jacobi", "model"), default=None, help="default: the pipeline's")
-    p.add_argument("--window", type=int, default=None, help="Jacobi window (with --drafter jacobi; default 16)")
+    p.add_argument("--window", type=positive_int, default=None, help="Jacobi window (with --drafter jacobi; default 16)")
     p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default=None, help="default maximal")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the generator's own")
     p.add_argument("--temperature", type=float, default=None,
                    help="default 1.0 (MAR folders: the folder's own, e.g. 0.7 for the testbed pair)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there; seeds stay on the CPU)")
     p.add_argument("--compare", action="store_true", help="also decode plainly on the same seed; print the speed-up")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")

@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmspec.cli_types import positive_int
+
 BUNDLED_VLM = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
 
 
@@ -123,7 +125,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
     p.add_argument("--compare", action="store_true", help="also decode plainly: speed-up and identical answers")
     p.add_argument("--json", action="store_true", help="print a JSON report")

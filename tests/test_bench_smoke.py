@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from mmspec.cli import main
 
 
@@ -155,3 +157,18 @@ def test_verify_widths_are_timed_warm(monkeypatch):
     assert cold["ratio_to_one_token"]["17"] < 17.0 / 2  # the bias the warm calls remove
     with pytest.raises(ValueError, match="include 1"):
         W.time_widths(call, (2, 4))
+
+
+@pytest.mark.parametrize("argv", [["generate", "--class", "1", "--out", "OUT", "--threads", "-1"],
+                                  ["generate", "--class", "1", "--out", "OUT", "--drafter", "jacobi", "--window", "0"],
+                                  ["caption", "x.png", "--threads", "0"], ["bench", "--threads", "-1"],
+                                  ["bench", "core", "--threads", "0"], ["bench", "vlm", "--threads", "-1"],
+                                  ["testbed", "train-judge", "--out", "OUT", "--threads", "0"]],
+                         ids=["generate", "window", "caption", "bench", "core", "vlm", "train-judge"])
+def test_thread_counts_and_windows_below_one_are_argument_errors(argv, tmp_path, capsys):
+    """Before: torch's "set_num_threads expects a positive integer" traceback after loading (a 0
+    silently kept torch's default), and JacobiDrafter's ValueError as a traceback."""
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and "expected an int >= 1" in capsys.readouterr().err

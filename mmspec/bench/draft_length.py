@@ -18,6 +18,7 @@ import torch
 
 from mmspec.bench.core import _interleaved, _prompts
 from mmspec.bench.pair import PairConfig, build_pair, greedy_agreement
+from mmspec.cli_types import positive_int
 
 # Perturbation knobs of the built pair and the greedy agreement they gave on our 2-core VM
 # (re-measured and reported by every run; the labels are only names).
@@ -224,7 +225,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--k-max", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=None, help="timed rounds after the warm-up one (default 2)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the suite runs)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

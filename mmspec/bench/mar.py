@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.cli_types import positive_int
 from mmspec.devices import check_device
 from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
 from mmspec.testbed.judge_model import JUDGE_DIR
@@ -336,7 +337,7 @@ def main(argv: list[str]) -> int:
                    help="comma-separated generation steps of plain@N peer rows (default: half and a quarter of "
                    "the steps; 0: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
     j = p.add_mutually_exclusive_group()
     j.add_argument("--judge", default=None, help="testbed judge folder: score plain and CSpD images "

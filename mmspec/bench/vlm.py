@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.cli_types import positive_int
 from mmspec.devices import check_device
 
 # The bundled VLM, found from the installed package (the repository root holds assets/).
@@ -393,7 +394,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tasks", type=names, default=TASKS, help="caption,vqa")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2, help="timed rounds (median)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree", type=ints, default=None,
                    help="DEPTH,TOP_K,NODES: also run every drafter with this dynamic tree (method <name>+tree)")

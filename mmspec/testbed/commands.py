@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 
+from mmspec.cli_types import positive_int
 from mmspec.testbed.judge_model import JUDGE_DIR
 
 
@@ -171,7 +172,7 @@ def add_subparsers(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.set_defaults(func=cmd_train_judge)
     p = sub.add_parser("eval-judge", help="judge accuracy and Frechet distance on held-out scenes")
     p.add_argument("--model", default=str(JUDGE_DIR))

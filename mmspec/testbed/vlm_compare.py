@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import math
 
+from mmspec.cli_types import positive_int
+
 
 def mcnemar_p(only_a: int, only_b: int) -> float:
     """Exact two-sided McNemar p-value: P(a split of the discordant scenes at least this
@@ -94,7 +96,7 @@ def add_compare_command(sub) -> None:
     p.add_argument("b", help="another one (e.g. the --out of a train-vlm run)")
     p.add_argument("--scenes", type=int, default=200, help="validation scenes (default 200, as train-vlm's eval)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_compare_vlm)

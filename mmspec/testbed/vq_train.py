@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmspec.cli_types import positive_int
 from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig
 
 # Two codes are "decoded twins" when, placed at the same token of the same contexts, their
@@ -243,7 +244,7 @@ def add_vq_commands(subparsers) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--threads", type=positive_int, default=d.threads)
     p.set_defaults(func=_cmd_train)
     e = subparsers.add_parser("eval-vq", help="evaluate a trained VQ tokenizer on validation scenes")
     e.add_argument("--model", default="assets/testbed/vq", help="folder written by train-vq")

@@ -1,0 +1,17 @@
+"""argparse value types shared by mmspec's commands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (e.g. --threads: torch would fail later with "set_num_threads expects a positive
+    integer", and 0 read as "not given" would silently keep torch's default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
