@@ -65,5 +65,6 @@ def test_compare_vlm_refuses_bad_counts():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="scenes"):
             compare("assets/testbed/vlm", "assets/testbed/vlm", scenes=bad)
-    with pytest.raises(ValueError, match="--threads"):
+    with pytest.raises(SystemExit) as stop:  # an argument error (mmspec.cli_types.positive_int)
         main(["testbed", "compare-vlm", "assets/testbed/vlm", "assets/testbed/vlm", "--threads", "0"])
+    assert stop.value.code == 2

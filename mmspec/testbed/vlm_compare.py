@@ -79,8 +79,6 @@ def format_comparison(r: dict) -> str:
 def cmd_compare_vlm(args) -> int:
     import torch
 
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     r = compare(args.a, args.b, scenes=args.scenes, seed=args.seed, progress=not args.no_progress)
     print(format_comparison(r))
