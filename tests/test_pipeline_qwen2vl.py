@@ -2,7 +2,8 @@
 word-level tokenizer with Qwen's vision tokens, the PIL image processor at a tiny patch size):
 plain answers equal the model's own `generate` on each item alone (images of three sizes and a
 text-only item in one batch: per-row image-token counts and M-RoPE deltas), and speculative
-answers with EAGLE and ViSpec heads equal plain ones, whole batch and in chunks of 2.
+answers with EAGLE and ViSpec heads and a text LM equal plain ones, whole batch and in chunks
+of 2 (the text LM gets drafts accepted on some rows: ragged acceptance).
 
 transformers' `Qwen2VLProcessor` insists on a video processor, and its video processors need
 torchvision, which cannot be installed next to this CPU torch; the processor here is the real
@@ -90,15 +91,27 @@ def test_plain_answers_equal_generate_item_by_item(pipe):
         assert torch.equal(seq.cpu()[: len(ref)], ref), (prompt, seq, ref)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "vispec"])
-def test_speculative_answers_equal_plain_ones(pipe, kind):
-    model = pipe.target
+def _drafter(model, kind):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(1)
+    if kind == "text":  # the target's own language model (1-D RoPE): close to the target on text
+        t = model.config.text_config
+        lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                                          intermediate_size=t.intermediate_size, num_hidden_layers=t.num_hidden_layers,
+                                          num_attention_heads=t.num_attention_heads,
+                                          num_key_value_heads=t.num_key_value_heads, pad_token_id=0)).double().eval()
+        lm.model.load_state_dict(model.model.language_model.state_dict())
+        lm.lm_head.load_state_dict(model.lm_head.state_dict())
+        return DrafterComponent.from_lm(lm, 3)
     config = EagleHeadConfig.for_target(model, kind=kind) if kind == "vispec" else EagleHeadConfig.for_target(model)
-    head = (ViSpecHead if kind == "vispec" else EagleHead)(config).double()
-    # A head that copies the target's next token now and then would be better; a random one still
-    # drafts, gets a few drafts accepted and must never change an answer.
-    pipe.add_drafter(kind, DrafterComponent.from_head(head))
+    return DrafterComponent.from_head((ViSpecHead if kind == "vispec" else EagleHead)(config).double())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec", "text"])
+def test_speculative_answers_equal_plain_ones(pipe, kind):
+    # Random heads draft and get little accepted; the text LM gets drafts accepted on some rows.
+    pipe.add_drafter(kind, _drafter(pipe.target, kind))
     images = items()
     plain = pipe(images, PROMPTS, max_new_tokens=12, speculative=False)
     for batch_size in (None, 2):
@@ -106,3 +119,5 @@ def test_speculative_answers_equal_plain_ones(pipe, kind):
         assert out.errors == [None] * 4
         assert all(torch.equal(a, b) for a, b in zip(out.sequences, plain.sequences)), (kind, batch_size)
         assert out.stats.target_calls > 0 and out.stats.drafted_nodes > 0
+        if kind == "text":
+            assert out.stats.accepted_drafts > 0
