@@ -97,3 +97,18 @@ def test_speculative_answers_equal_plain_ones(pipe, kind):
         assert out.stats.drafted_nodes > 0
         if kind == "text":  # the text-only row drafts exactly what the target says
             assert out.stats.accepted_drafts > 0
+
+
+def test_save_and_load_round_trip(pipe, tmp_path):
+    """The saved folder (target, processor with the anyres image processor, drafters) loads back
+    and answers identically."""
+    pipe.add_drafter("text", _drafter(pipe.target, "text"))
+    images = items()
+    before = pipe(images, PROMPTS, max_new_tokens=12)
+    pipe.save_pretrained(tmp_path / "saved")
+    loaded = SpeculativeVLMPipeline.from_pretrained(tmp_path / "saved")
+    assert type(loaded.processor.image_processor).__name__ == type(pipe.processor.image_processor).__name__
+    assert loaded.processor.image_processor.image_grid_pinpoints == PINPOINTS
+    after = loaded(images, PROMPTS, max_new_tokens=12)
+    assert after.errors == [None] * 4
+    assert all(torch.equal(a, b) for a, b in zip(before.sequences, after.sequences))
