@@ -66,3 +66,20 @@ def random_images(n: int, seed: int = 0, size=(20, 24)):
 
     rng = np.random.default_rng(seed)
     return [Image.fromarray((rng.random((*size, 3)) * 255).astype("uint8")) for _ in range(n)]
+
+
+def pipeline_drafter(model, kind: str, lm=None):
+    """A `DrafterComponent` for a VLM pipeline test: a random EAGLE or ViSpec head for `model`, or
+    (kind "text") `lm`, a causal LM of the target's text shape, given the target's own language
+    model and LM head (close to the target on text), drafting 3 tokens."""
+    from mmspec.drafters import EagleHead, EagleHeadConfig, ViSpecHead
+    from mmspec.pipelines import DrafterComponent
+
+    torch.manual_seed(1)
+    if kind == "text":
+        lm = lm.to(torch.float64).eval()
+        lm.model.load_state_dict(model.model.language_model.state_dict())
+        lm.lm_head.load_state_dict(model.lm_head.state_dict())
+        return DrafterComponent.from_lm(lm, 3)
+    config = EagleHeadConfig.for_target(model, kind=kind) if kind == "vispec" else EagleHeadConfig.for_target(model)
+    return DrafterComponent.from_head((ViSpecHead if kind == "vispec" else EagleHead)(config).double())

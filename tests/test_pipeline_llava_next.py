@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmspec.drafters import EagleHead, EagleHeadConfig, ViSpecHead
-from mmspec.pipelines import DrafterComponent, SpeculativeVLMPipeline
+from mmspec.pipelines import SpeculativeVLMPipeline
 
-from _vlm_helpers import CHAT_TEMPLATE, WORDS, random_images
+from _vlm_helpers import CHAT_TEMPLATE, WORDS, pipeline_drafter, random_images
 
 PINPOINTS = [[16, 32], [32, 16], [32, 32]]
 IMG = WORDS.index("<image>")
@@ -75,14 +74,8 @@ def test_plain_answers_equal_generate_item_by_item(pipe):
 def _drafter(model, kind):
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(1)
-    if kind == "text":  # the target's own language model: drafts text as the target would
-        lm = LlamaForCausalLM(model.config.text_config).to(torch.float64).eval()
-        lm.model.load_state_dict(model.model.language_model.state_dict())
-        lm.lm_head.load_state_dict(model.lm_head.state_dict())
-        return DrafterComponent.from_lm(lm, 3)
-    config = EagleHeadConfig.for_target(model, kind=kind) if kind == "vispec" else EagleHeadConfig.for_target(model)
-    return DrafterComponent.from_head((ViSpecHead if kind == "vispec" else EagleHead)(config).double())
+    lm = LlamaForCausalLM(model.config.text_config) if kind == "text" else None
+    return pipeline_drafter(model, kind, lm)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "vispec", "text"])

@@ -14,10 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmspec.drafters import EagleHead, EagleHeadConfig, ViSpecHead
-from mmspec.pipelines import DrafterComponent, SpeculativeVLMPipeline
+from mmspec.pipelines import SpeculativeVLMPipeline
 
-from _vlm_helpers import random_images
+from _vlm_helpers import pipeline_drafter, random_images
 from conftest import tiny_qwen2vl_config
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "user", "assistant", ":", "describe", "the", "image", ".", "a", "red",
@@ -94,18 +93,14 @@ def test_plain_answers_equal_generate_item_by_item(pipe):
 def _drafter(model, kind):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(1)
-    if kind == "text":  # the target's own language model (1-D RoPE): close to the target on text
+    lm = None
+    if kind == "text":  # the target's own language model with 1-D RoPE: close to the target on text
         t = model.config.text_config
         lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size,
                                           intermediate_size=t.intermediate_size, num_hidden_layers=t.num_hidden_layers,
                                           num_attention_heads=t.num_attention_heads,
-                                          num_key_value_heads=t.num_key_value_heads, pad_token_id=0)).double().eval()
-        lm.model.load_state_dict(model.model.language_model.state_dict())
-        lm.lm_head.load_state_dict(model.lm_head.state_dict())
-        return DrafterComponent.from_lm(lm, 3)
-    config = EagleHeadConfig.for_target(model, kind=kind) if kind == "vispec" else EagleHeadConfig.for_target(model)
-    return DrafterComponent.from_head((ViSpecHead if kind == "vispec" else EagleHead)(config).double())
+                                          num_key_value_heads=t.num_key_value_heads, pad_token_id=0))
+    return pipeline_drafter(model, kind, lm)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "vispec", "text"])
