@@ -4,6 +4,14 @@ run on it, instead of minutes into a training run (after its data stage) or deep
 from __future__ import annotations
 
 
+def device_name(device) -> str:
+    """The name a report gives `device`: the GPU's own name on CUDA, else the device type."""
+    import torch
+
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+
+
 def check_device(device, what: str = "device", allowed: tuple[str, ...] = ("cpu", "cuda")) -> None:
     """`device` (a str or torch.device: cpu, cuda, cuda:N) must name a device type in `allowed`
     that torch can use here; ValueError naming `what` otherwise."""

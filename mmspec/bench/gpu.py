@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mmspec.bench.core import _interleaved, _prompts, _record_forwards, _replay
+from mmspec.devices import check_device, device_name
 
 SHAPES = {
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -103,9 +104,10 @@ class GpuBenchConfig:
         rows = [b for _, b in self.workloads if isinstance(b, bool) or not isinstance(b, int) or b < 1]
         if rows:
             raise ValueError(f"workload batch sizes must be ints >= 1, got {rows}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for but torch sees no CUDA device; use --device cpu --shape tiny "
-                             "for a smoke run here")
+        try:
+            check_device(self.device)
+        except ValueError as e:
+            raise ValueError(f"{e} (--device cpu --shape tiny for a smoke run here)") from None
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if min(self.repeats, self.max_new_tokens, self.num_draft_tokens, self.drafter_layers) < 1:
@@ -322,8 +324,7 @@ def run(config: GpuBenchConfig, progress=print, json_path: str | None = None) ->
         # A diagnostic switch: `auto` varies the verify's query length from request to request,
         # and a per-shape setup cost in an attention backend would hit it (docs/architecture.md).
         torch.backends.cuda.enable_cudnn_sdp(False)
-    info = {"device": (torch.cuda.get_device_name(torch.device(config.device)) if config.device.startswith("cuda")
-                       else "cpu"),
+    info = {"device": device_name(config.device),
             "torch": torch.__version__, "transformers": transformers.__version__, "alpha": config.alpha,
             "sdpa_backends": ({name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
                                for name in ("flash", "mem_efficient", "cudnn", "math")} if cuda else None),

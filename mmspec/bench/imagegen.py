@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.devices import check_device
+from mmspec.devices import check_device, device_name
 from mmspec.models.llamagen_spec import llamagen_target
 from mmspec.testbed.judge_model import JUDGE_DIR
 
@@ -239,7 +239,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
         "drafter_parameters": None if gpt_drafter is None else sum(p.numel() for p in gpt_drafter.parameters()),
         "image_tokens": pipe.num_tokens, "codebook": pipe.target.args.vocab_size, "torch_threads": torch.get_num_threads(),
         "kernels": llamagen_target(pipe.target, scale).kernels,  # measured here, once per model
-        "device": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else "cpu",
+        "device": device_name(cfg.device),
     }, "batches": []}
     labels = [i % pipe.num_classes for i in range(cfg.images)]
     for bi, B in enumerate(cfg.batch_sizes):

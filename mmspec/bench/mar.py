@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from mmspec.cli_types import positive_int
-from mmspec.devices import check_device
+from mmspec.devices import check_device, device_name
 from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
 from mmspec.testbed.judge_model import JUDGE_DIR
 JUDGE_IMAGE_SIZE = 64  # the testbed world's image size, which the judge was trained on
@@ -219,7 +219,7 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
         "image_tokens": t.seq_len, "token_dim": t.token_embed_dim, "classes": t.config.class_num,
         "head_steps": t.config.num_sampling_steps, "drafter_head_steps": d.config.num_sampling_steps,
         "image_size": t.config.img_size,
-        "torch_threads": torch.get_num_threads(), "device": _device_name(pipe),
+        "torch_threads": torch.get_num_threads(), "device": device_name(pipe.transformer.device),
     }, "batches": []}
     labels = [i % t.config.class_num for i in range(cfg.num_images)]
     for B in cfg.batch_sizes:
@@ -253,11 +253,6 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
     if cfg.judge is not None:
         report["judge"] = judge_quality(pipe, cfg, call, progress)
     return report
-
-
-def _device_name(pipe) -> str:
-    device = pipe.transformer.device
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _median_or_none(values) -> float | None:

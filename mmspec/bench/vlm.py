@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from mmspec.cli_types import positive_int
-from mmspec.devices import check_device
+from mmspec.devices import check_device, device_name
 
 # The bundled VLM, found from the installed package (the repository root holds assets/).
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "vlm")
@@ -267,7 +267,7 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
                       else None) for n, d in pipe.drafters.items()},
         "default_drafter": next((n for n, d in pipe.drafters.items() if d is pipe.drafter), None),
         "visual_tokens": getattr(t.config, "image_seq_length", None), "torch_threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(t.device) if t.device.type == "cuda" else "cpu",
+        "device": device_name(t.device),
     }, "runs": []}
     for B in cfg.batch_sizes:
         progress(f"batch {B}: verify cost")
