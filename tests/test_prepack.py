@@ -74,6 +74,9 @@ def test_should_prepack_rules(llama32):
         should_prepack(f64, True)
     with pytest.raises(ValueError, match="prepack must be"):
         should_prepack(llama32, "yes")
+    for number in (0, 1, 1.0):  # equal to False / True, but 0 used to run as "auto" (packing)
+        with pytest.raises(ValueError, match="prepack must be"):
+            should_prepack(llama32, number)
     with pytest.raises(ValueError, match="prepack"):
         HFTarget(f64, prepack=True)
     with pytest.raises(ValueError, match="prepack"):

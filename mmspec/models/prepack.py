@@ -96,7 +96,8 @@ def _linear_bytes(model: torch.nn.Module) -> int:
 def should_prepack(model: torch.nn.Module, prepack="auto") -> bool:
     """Resolve a `prepack` argument (True, False or "auto") for `model`; True on a model
     that cannot be packed raises a ValueError saying why."""
-    if prepack not in (True, False, "auto"):
+    # by type, not by equality: 1 == True and 0 == False, and a 0 taken as "auto" would prepack
+    if not (isinstance(prepack, bool) or (isinstance(prepack, str) and prepack == "auto")):
         raise ValueError(f"prepack must be True, False or 'auto', got {prepack!r}")
     if prepack is False:
         return False
