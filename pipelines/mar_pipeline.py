@@ -75,6 +75,8 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         tuple when return_dict=False)."""
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")
+        if not isinstance(return_dict, bool):  # diffusers reads any truthy value as True
+            raise TypeError(f"return_dict must be True or False, got {return_dict!r}")
         if isinstance(class_labels, int):
             class_labels = [class_labels]
         labels = torch.as_tensor(class_labels)

@@ -156,6 +156,8 @@ def test_bad_input_is_refused_by_name(tmp_path):
         pipe([0], generator=5)
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe([0], speculative="no")
+    with pytest.raises(TypeError, match="return_dict must be True or False"):  # "no" returned the output object
+        pipe([0], return_dict="no")
     # A drafter the folder cannot hold: it was saved with a warning, and the folder drafted
     # with a JacobiDrafter instead.
     pipe.drafter = NullDrafter(30)
