@@ -240,6 +240,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         text = self.config.caption_prompt if text is None else text
         if not isinstance(text, str):
             raise ValueError(f"prompts must be strings or None, got {type(text).__name__}")
+        if not text.strip():  # the model would answer a question nobody asked
+            raise ValueError(f"prompt {text!r} is empty; pass a question, or None to caption with the "
+                             f"pipeline's caption prompt")
         placeholders = text.count(self.image_token) if self.image_token else 0
         if placeholders or (n_images and self.image_token is None):  # verbatim: it must carry exactly the images given
             if n_images == 0:

@@ -96,6 +96,8 @@ def cmd_caption(args) -> int:
 
 
 def cmd_vqa(args) -> int:
+    if not args.question.strip():  # refused before the model loads
+        raise SystemExit("mmspec vqa: --question is empty; ask a question, or use `mmspec caption` to caption the image")
     return _run(args, [args.image], [args.question])
 
 

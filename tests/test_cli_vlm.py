@@ -44,6 +44,8 @@ def test_vqa_and_text_output(saved, capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "[what colour is the circle ?]:" in out and "mean accepted length" in out and "identical" in out
+    with pytest.raises(SystemExit, match="--question is empty"):  # it was answered
+        main(["vqa", str(saved / "0.png"), "--question", " ", "--model", str(saved / "pipe")])
 
 
 def test_model_is_required_until_a_testbed_vlm_is_bundled(saved, monkeypatch):

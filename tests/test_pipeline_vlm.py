@@ -105,6 +105,9 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         pipe(img[:1], ["a", "b"])
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe(img[:1], speculative="no")
+    for empty in ("", "  "):  # answered a question nobody asked (`mmspec vqa --question ""`)
+        with pytest.raises(ValueError, match="is empty; pass a question, or None to caption"):
+            pipe(img[:1], [empty])
     # A drafter's name is its folder under drafters/ when saved: '../x' was saved beside drafters/,
     # '' into drafters/ itself; a crafted model_index.json entry is refused the same way.
     for bad in ("../x", "", "a/b", ".hidden"):
