@@ -137,6 +137,7 @@ class ModelDrafter:
         spec = drafter_spec(model, prepack)
         self.kernels = getattr(spec, "kernels", "")
         self.vocab_size = spec.vocab_size
+        self.max_positions = getattr(spec, "max_positions", None)
         if tree is not None and tree.top_k > self.vocab_size:
             raise ValueError(
                 f"TreeConfig.top_k={tree.top_k} exceeds the drafter's vocabulary of {self.vocab_size} tokens; "

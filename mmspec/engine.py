@@ -92,6 +92,34 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
     return am
 
 
+def _check_positions(target, drafter, length: int, max_new_tokens: int) -> None:
+    """Refuse a request that could run past a learned absolute position table (GPT-2's
+    `n_positions`): plain decoding feeds positions up to length + max_new_tokens - 2, and a
+    step's drafts reach up to `max_draft_nodes` positions past its root (the last step's
+    root included), where the lookup would fail deep in the forward."""
+    if max_new_tokens == 0:
+        return
+    depth = int(getattr(drafter, "max_draft_nodes", 0) or 0)
+    plain = length + max_new_tokens - 1  # positions plain decoding feeds
+    for role, part in (("target", target), ("drafter", drafter)):
+        limit = getattr(part, "max_positions", None)
+        if limit is None or plain + depth <= limit:
+            continue
+        table = f"the {role}'s learned position table holds ({limit})"
+        if length > limit:
+            raise ValueError(f"the prompt's {length} positions are more than {table}; shorten the prompt"
+                             + (" or use a drafter with a longer table" if role == "drafter" else ""))
+        if plain > limit:
+            raise ValueError(f"prompt length {length} + max_new_tokens {max_new_tokens} needs {plain} positions, more "
+                             f"than {table}; lower max_new_tokens to {limit - length + 1}")
+        fits = limit - length + 1 - depth
+        raise ValueError(
+            f"prompt length {length} + max_new_tokens {max_new_tokens} + up to {depth} draft positions may need "
+            f"{plain + depth} positions, more than {table}; draft fewer tokens (max_draft_nodes={depth})"
+            + (f" or lower max_new_tokens to {fits}" if fits > 0 else "")
+        )
+
+
 def _rule_tables(acceptance, kwargs: dict, target, drafter) -> dict:
     """Fill the tables a rule named by string needs (LANTERN's `codebook`, GSD's
     `embeddings`, cluster_exact's `labels`) from what the target or drafter expose through
@@ -397,6 +425,7 @@ def speculative_generate(
             f"drafter vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size}); the drafter "
             "must share the target's tokenizer and vocabulary size"
         )
+    _check_positions(target, drafter, input_ids.shape[1], max_new_tokens)
     if not features.empty and not getattr(target, "supports_features", False):
         raise TypeError(
             f"drafter {type(drafter).__name__} reads target features {features} but target {type(target).__name__} "

@@ -47,6 +47,8 @@ class ForwardSpec:
     dtype: torch.dtype
     # False for specs whose step forward is not verified under torch.compile (`compile=` refused).
     compilable: bool = True
+    # Positions a learned absolute position table can index (GPT-2's 1024); None: no such bound.
+    max_positions: int | None = None
 
     # ---- per request -----------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:

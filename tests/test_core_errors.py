@@ -137,3 +137,38 @@ def test_mrope_models_are_refused_by_the_generic_adapter():
 
     with pytest.raises(ValueError, match="M-RoPE"):
         HFTarget(MRopeLike())
+
+
+def test_learned_position_tables_bound_the_request():
+    """GPT-2 / OPT index a learned position table: a request whose drafts could run past it
+    failed deep in the forward (IndexError; on CUDA a device-side assert), also where plain
+    decoding fits. Refused up front by name now; requests that fit run and equal `generate`."""
+    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+
+    from mmspec.models.hf_spec import learned_position_limit
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2)).eval()
+    opt = OPTForCausalLM(OPTConfig(vocab_size=50, max_position_embeddings=16, hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32)).eval()
+    ids = torch.randint(3, 50, (2, 10))
+    for model in (gpt2, opt):
+        assert learned_position_limit(model) == 16  # OPT's table has 18 rows, offset 2
+        # 10 + 4 new tokens + 2 draft positions = 16: fits, and equals plain greedy decoding
+        out = mmspec.speculative_generate(model, ModelDrafter(model, 2), ids, max_new_tokens=4, temperature=0)
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             pad_token_id=0)
+        assert torch.equal(out.sequences, ref)
+        # 10 + 6 - 1 + 3 = 18 > 16: an IndexError in the drafter's forward before
+        with pytest.raises(ValueError, match=r"may need 18 positions, more than the target's learned position "
+                                             r"table holds \(16\); draft fewer tokens \(max_draft_nodes=3\) or lower "
+                                             r"max_new_tokens to 4"):
+            mmspec.speculative_generate(model, ModelDrafter(model, 3), ids, max_new_tokens=6, temperature=0)
+        with pytest.raises(ValueError, match="needs 17 positions.*lower max_new_tokens to 7"):  # plain cannot either
+            mmspec.speculative_generate(model, ModelDrafter(model, 1), ids, max_new_tokens=8, temperature=0)
+    wide = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
+    assert learned_position_limit(wide) == 64
+    assert learned_position_limit(tiny_llama(layers=1)) is None  # RoPE: no table
+    with pytest.raises(ValueError, match="the prompt's 20 positions are more than the drafter's"):
+        mmspec.speculative_generate(wide, ModelDrafter(gpt2, 2), torch.randint(3, 50, (1, 20)), max_new_tokens=2,
+                                    temperature=0)

@@ -60,6 +60,24 @@ def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList | None:
     return None
 
 
+_POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2 / GPT-Neo / GPT-BigCode; OPT / BioGPT
+
+
+def learned_position_limit(model) -> int | None:
+    """How many positions the model's learned absolute position table can index (GPT-2's
+    `wpe`: `n_positions`; OPT's `embed_positions` less its offset of 2), or None for models
+    without one (RoPE and the like extrapolate). Past it the table lookup fails deep in the
+    forward (an IndexError on the CPU, a device-side assert that ends the CUDA context)."""
+    try:
+        root = model.get_decoder()  # the language model of a VLM: never its vision tower's table
+    except Exception:  # noqa: BLE001 - models without (or with a failing) get_decoder
+        root = None
+    limits = [m.num_embeddings - int(getattr(m, "offset", 0) or 0)
+              for name, m in (root if isinstance(root, torch.nn.Module) else model).named_modules()
+              if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    return min(limits) if limits else None
+
+
 class HFSpec(ForwardSpec):
     """Forward spec of a `transformers.PreTrainedModel` with an LM head (`model` may be
     mmspec's prepacked view of it; `source` is the user's model, for introspection)."""
@@ -70,6 +88,7 @@ class HFSpec(ForwardSpec):
         config = text_config(source)
         self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(config.vocab_size)
+        self.max_positions = learned_position_limit(source)
         self.dtype = next(source.parameters()).dtype
         self.forward_params = set(inspect.signature(source.forward).parameters)
         self._windows = _window_plan(config, source)
