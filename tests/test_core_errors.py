@@ -172,3 +172,48 @@ def test_learned_position_tables_bound_the_request():
     with pytest.raises(ValueError, match="the prompt's 20 positions are more than the drafter's"):
         mmspec.speculative_generate(wide, ModelDrafter(gpt2, 2), torch.randint(3, 50, (1, 20)), max_new_tokens=2,
                                     temperature=0)
+
+
+def test_a_target_with_active_dropout_is_refused():
+    """A target left in training mode with dropout decoded at random (a fresh mask per forward):
+    neither its plain decoding nor speculation reproduced anything. Refused by name now; training
+    mode without active dropout, and a drafter with dropout (verification keeps the output
+    exact), run and equal eval-mode greedy decoding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mmspec.models.eval_mode import active_dropout
+
+    def llama(dropout: float):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, attention_dropout=dropout,
+                                            attn_implementation="sdpa")).double()
+
+    ids, mask = left_padded([5, 3])
+    reference = llama(0.3).eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                           pad_token_id=0)
+    noisy = llama(0.3).train()
+    assert active_dropout(noisy) == "model.layers.0.self_attn.attention_dropout (p=0.3)"
+    assert active_dropout(noisy.eval()) is None
+    noisy.train()
+    with pytest.raises(ValueError, match=r"the target model \(LlamaForCausalLM\) is in training mode with active "
+                                         r"dropout at model.layers.0.self_attn.attention_dropout.*call model.eval\(\)"):
+        mmspec.speculative_generate(noisy, ModelDrafter(llama(0.0).eval(), 2), ids, mask, max_new_tokens=8,
+                                    temperature=0)
+    still = llama(0.0).train()  # training mode, nothing dropped: the same numbers as eval mode
+    assert active_dropout(still) is None
+    for target, drafter in ((still, llama(0.0).eval()), (llama(0.3).eval(), noisy)):
+        out = mmspec.speculative_generate(target, ModelDrafter(drafter, 3), ids, mask, max_new_tokens=8,
+                                          temperature=0, pad_token_id=0)
+        assert torch.equal(out.sequences, reference)
+
+
+def test_an_image_target_with_active_dropout_is_refused():
+    from _llamagen_helpers import tiny_gpt
+
+    from mmspec.models.llamagen_spec import LlamaGenTarget
+
+    gpt = tiny_gpt(0).train()  # LlamaGen's defaults: resid / ffn / token dropout 0.1
+    with pytest.raises(ValueError, match=r"LlamaGenGPT\) is in training mode with active dropout"):
+        LlamaGenTarget(gpt)
+    LlamaGenTarget(gpt.eval())

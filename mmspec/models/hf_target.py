@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 
+from mmspec.models.eval_mode import check_eval_mode
 from mmspec.models.hf_spec import HFSpec, text_vocab_size
 from mmspec.models.prepack import kernels_of, maybe_packed
 from mmspec.models.qwen2vl_spec import MROPE_MODEL_TYPES, Qwen2VLSpec
@@ -89,6 +90,7 @@ class HFTarget(SpecTarget):
 
     def __init__(self, model, *, prepack="auto", static: bool | None = None, compile=None, attention: str = "auto"):
         check_supported(model)
+        check_eval_mode(model)
         prepack = prepack_for_compile(prepack, compile)
         self.model = model
         run = maybe_packed(model, prepack)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from mmspec.guided import GuidedTarget
+from mmspec.models.eval_mode import check_eval_mode
 from mmspec.models.llamagen_sample import check_guidance_scale
 from mmspec.models.prepack import for_rows, kernels_of, maybe_packed, refresh
 from mmspec.ragged import Attention, RaggedKV
@@ -169,6 +170,7 @@ class LlamaGenTarget(SpecTarget):
     """`SpecTarget(LlamaGenSpec(gpt))` with `acceptance_tables()` (GSD embeddings, LANTERN codebook)."""
 
     def __init__(self, gpt, *, codebook: torch.Tensor | None = None, prepack="auto"):
+        check_eval_mode(gpt)
         super().__init__(LlamaGenSpec(gpt, prepack=prepack))
         self.codebook = _check_codebook(codebook, self.vocab_size)
         self.kernels = self.spec.kernels

@@ -1,0 +1,42 @@
+"""Targets must decode in inference mode: a model left in training mode with active dropout
+draws a fresh dropout mask at every forward, so its "plain" decoding is itself random and a
+verify forward scores drafts under other masks than a one-token step would. Neither greedy
+equality nor exact sampling means anything then, so such a target is refused by name
+(`model.eval()` is the fix). A model in training mode without active dropout (most recent
+LLMs set every dropout to 0) computes what it computes in eval mode and is accepted.
+Drafters are not checked: their randomness only changes which drafts are proposed, and
+verification keeps the output exact."""
+
+from __future__ import annotations
+
+import torch
+
+
+def active_dropout(model: torch.nn.Module) -> str | None:
+    """'name (p=...)' of the first submodule that drops units in the model's current mode, or None."""
+    if not model.training:
+        return None
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                return f"{name or type(model).__name__} (p={module.p})"
+            continue
+        # attention dropout kept as a float and applied only in training (transformers' attention
+        # modules: `attention_dropout`; mmspec's LlamaGen GPT: `attn_dropout_p`)
+        for attr in ("attention_dropout", "attn_dropout_p", "dropout"):
+            value = module.__dict__.get(attr)
+            if isinstance(value, float) and value > 0:
+                return f"{name}.{attr} (p={value})"
+    return None
+
+
+def check_eval_mode(model: torch.nn.Module, role: str = "target") -> None:
+    where = active_dropout(model)
+    if where is not None:
+        raise ValueError(
+            f"the {role} model ({type(model).__name__}) is in training mode with active dropout at {where}: every "
+            "forward would drop other units, so its decoding is random and speculative decoding cannot equal it; "
+            "call model.eval() first"
+        )
