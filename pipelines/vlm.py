@@ -18,6 +18,9 @@ with `caption_prompt`; a prompt that already contains the image placeholder is u
 `speculative=False` decodes plainly through the same loop and target code (a drafter that
 drafts nothing), so both paths are compared like for like. Greedy (`temperature=0`) output is
 identical either way; `acceptance="exact"` keeps sampled output distributed like the target.
+`batch_size` splits the items into batches (image items and text-only items never share one);
+once there is more than one batch a progress bar counts the items done
+(`pipe.set_progress_bar_config(disable=True)` silences it).
 
 Errors: bad input (an image placeholder without an image, more images than placeholders, a
 drafter built for another target, an unsupported model type) raises ValueError naming it;
@@ -291,17 +294,23 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             ready.append((i, loaded, self._prompt(text, len(loaded))))
         stats = []
         groups = [[r for r in ready if bool(r[1]) == flag] for flag in (True, False)]
-        for group in groups:
-            size = batch_size or max(len(group), 1)
-            for start in range(0, len(group), size):
-                chunk = group[start:start + size]
-                out = self._generate(chunk, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_k=top_k, top_p=top_p, acceptance=acceptance, generator=generator)
-                stats.append(out.stats)
-                L = out.sequences.shape[1] - max(out.stats.new_tokens)
-                for row, (i, _, _) in enumerate(chunk):
-                    seqs[i] = out.sequences[row, L:L + out.stats.new_tokens[row]]
-                    texts[i] = self.processor.tokenizer.decode(seqs[i], skip_special_tokens=True).strip()
+        chunks = [group[start:start + (batch_size or len(group))] for group in groups
+                  for start in range(0, len(group), batch_size or max(len(group), 1))]
+        # A bar over the items once the work spans several batches (`set_progress_bar_config(disable=True)`
+        # silences it, as in every diffusers pipeline).
+        bar = self.progress_bar(total=len(ready)) if len(chunks) > 1 else None
+        for chunk in chunks:
+            out = self._generate(chunk, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, acceptance=acceptance, generator=generator)
+            stats.append(out.stats)
+            L = out.sequences.shape[1] - max(out.stats.new_tokens)
+            for row, (i, _, _) in enumerate(chunk):
+                seqs[i] = out.sequences[row, L:L + out.stats.new_tokens[row]]
+                texts[i] = self.processor.tokenizer.decode(seqs[i], skip_special_tokens=True).strip()
+            if bar is not None:
+                bar.update(len(chunk))
+        if bar is not None:
+            bar.close()
         return VLMPipelineOutput(texts=texts, sequences=seqs, stats=merge_stats(stats), errors=errors)
 
     def _generate(self, chunk, drafter, **options):

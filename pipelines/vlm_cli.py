@@ -46,6 +46,7 @@ def _run(args, images, prompts) -> int:
     try:
         check_device(args.device, "--device")
         pipe = SpeculativeVLMPipeline.from_pretrained(_model_dir(args), drafter=None)
+        pipe.set_progress_bar_config(disable=args.json)
         if args.drafter:
             pipe.load_drafter(args.drafter)
         if torch.device(args.device).type != "cpu":  # the seed's generator stays on the CPU (diffusers' convention)

@@ -93,6 +93,25 @@ def test_sampling_runs_and_is_reproducible(parts):
     assert a.texts == b.texts and all(t is not None for t in a.texts)
 
 
+def test_a_progress_bar_counts_items_across_batches(parts, capsys):
+    """Work over several batches shows a bar (diffusers' progress_bar, silenced by
+    set_progress_bar_config); one batch does not, and the answers are those of one batch."""
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["eagle"])
+    images = random_images(3, seed=6)
+    capsys.readouterr()
+    whole = pipe(images, max_new_tokens=4)
+    assert "3/3" not in capsys.readouterr().err
+    chunked = pipe(images, max_new_tokens=4, batch_size=1)
+    assert "3/3" in capsys.readouterr().err
+    assert chunked.texts == whole.texts
+    pipe(images + [None], max_new_tokens=4)  # image items and a text-only one: two batches
+    assert "4/4" in capsys.readouterr().err
+    pipe.set_progress_bar_config(disable=True)
+    pipe(images, max_new_tokens=4, batch_size=1)
+    assert "3/3" not in capsys.readouterr().err
+
+
 def test_bad_input_is_refused_by_name(parts, tmp_path):
     model, processor = parts
     pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["eagle"])

@@ -96,7 +96,9 @@ def load_pipeline(model: str):
     if not (Path(model) / "model_index.json").is_file():
         raise ValueError(f"no saved SpeculativeVLMPipeline at {model} (model_index.json missing); pass --model DIR "
                          "(made by `mmspec testbed train-vlm` or SpeculativeVLMPipeline.save_pretrained)")
-    return SpeculativeVLMPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe = SpeculativeVLMPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)  # the bench reports its own progress
+    return pipe
 
 
 def auto_variant(pipe, name: str, max_draft_tokens: int) -> str:
