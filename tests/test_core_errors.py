@@ -200,6 +200,12 @@ def test_a_target_with_active_dropout_is_refused():
                                          r"dropout at model.layers.0.self_attn.attention_dropout.*call model.eval\(\)"):
         mmspec.speculative_generate(noisy, ModelDrafter(llama(0.0).eval(), 2), ids, mask, max_new_tokens=8,
                                     temperature=0)
+    wrapped = mmspec.models.HFTarget(llama(0.3).eval())  # built once, reused across calls ...
+    mmspec.speculative_generate(wrapped, ModelDrafter(llama(0.0).eval(), 2), ids, mask, max_new_tokens=2, temperature=0)
+    wrapped.model.train()  # ... and switched to training in between: the next request is refused
+    with pytest.raises(ValueError, match="in training mode with active dropout"):
+        mmspec.speculative_generate(wrapped, ModelDrafter(llama(0.0).eval(), 2), ids, mask, max_new_tokens=2,
+                                    temperature=0)
     still = llama(0.0).train()  # training mode, nothing dropped: the same numbers as eval mode
     assert active_dropout(still) is None
     for target, drafter in ((still, llama(0.0).eval()), (llama(0.3).eval(), noisy)):

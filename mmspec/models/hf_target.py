@@ -99,6 +99,11 @@ class HFTarget(SpecTarget):
         self.kernels = spec.kernels
         super().__init__(spec, static=static, compile=compile, attention=attention)
 
+    def prefill(self, input_ids, *args, **kwargs):
+        if self.model.training:  # wrapped in eval mode, switched to training since: check again
+            check_eval_mode(self.model)
+        return super().prefill(input_ids, *args, **kwargs)
+
     def acceptance_tables(self) -> dict:
         """Tables rules named by string can use: GSD clusters by input-embedding distance."""
         return {"embeddings": self.model.get_input_embeddings().weight.detach()}
