@@ -73,6 +73,16 @@ def test_pixel_values_change_the_output(llava):
     assert not torch.equal(a.sequences, b.sequences)
 
 
+def test_image_placeholders_without_pixels_are_refused(llava):
+    """transformers embeds the placeholders as text and answers about no image at all; refused."""
+    model, _ = llava
+    ids = torch.tensor([[5, IMG, IMG, IMG, IMG, 7, 9]])
+    with pytest.raises(ValueError, match=r"input_ids hold image placeholder tokens \(id 60\) but no pixel_values"):
+        mmspec.speculative_generate(model, ModelDrafter(_text_only(model), 2), ids, temperature=0, max_new_tokens=4)
+    text_only = torch.tensor([[5, 6, 7, 9]])  # no placeholders: a text-only request runs
+    mmspec.speculative_generate(model, ModelDrafter(_text_only(model), 2), text_only, temperature=0, max_new_tokens=4)
+
+
 # ---- batch of 4, chains and trees, row by row; LLaVA-NeXT (image_sizes); image features ------------
 from _vlm_helpers import assert_rows_equal, left_pad  # noqa: E402
 

@@ -266,3 +266,12 @@ def test_qwen2vl_text_only_prompts(qwen):
         ref = qwen.generate(input_ids=real, attention_mask=torch.ones_like(real), do_sample=False, max_new_tokens=8,
                             eos_token_id=None, pad_token_id=0)[0, real.shape[1]:]
         assert torch.equal(out.sequences[b, ids.shape[1]:], ref)
+
+
+def test_qwen2vl_placeholders_without_pixels_are_refused(qwen):
+    ids = torch.tensor([[5, 58, 60, 60, 59, 7]])  # vision start, two image tokens, vision end
+    with pytest.raises(ValueError, match=r"image placeholder tokens \(id 60\) but no pixel_values"):
+        mmspec.speculative_generate(qwen, ModelDrafter(weak_drafter(), 2), ids, temperature=0, max_new_tokens=4)
+    ids[0, 2:4] = 61  # video placeholders
+    with pytest.raises(ValueError, match=r"video placeholder tokens \(id 61\) but no pixel_values_videos"):
+        mmspec.speculative_generate(qwen, ModelDrafter(weak_drafter(), 2), ids, temperature=0, max_new_tokens=4)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from mmspec.models.eval_mode import check_eval_mode
 from mmspec.models.hf_spec import HFSpec, text_vocab_size
 from mmspec.models.prepack import kernels_of, maybe_packed
@@ -60,6 +62,28 @@ def check_supported(model) -> None:
                          "*ForConditionalGeneration class")
 
 
+_PLACEHOLDERS = (("image", ("image_token_id", "image_token_index"), "pixel_values"),
+                 ("video", ("video_token_id", "video_token_index"), "pixel_values_videos"))
+
+
+def check_placeholders_have_pixels(model, input_ids, model_inputs: dict) -> None:
+    """A VLM prompt with image (video) placeholder tokens but no pixel_values
+    (pixel_values_videos) runs, in transformers too: the model embeds each placeholder as a
+    text token and answers about an image it never saw. Refused by name (SYNC: once per
+    request, and only when a VLM gets no pixels)."""
+    config = getattr(model, "config", None)
+    for kind, names, key in _PLACEHOLDERS:
+        if model_inputs.get(key) is not None:
+            continue
+        ids = [v for n in names if isinstance(v := getattr(config, n, None), int) and not isinstance(v, bool)]
+        if ids and bool(torch.isin(input_ids, torch.tensor(ids, device=input_ids.device)).any()):
+            raise ValueError(
+                f"input_ids hold {kind} placeholder tokens (id {ids[0]}) but no {key} was given: the model would embed "
+                f"each placeholder as a text token and answer without the {kind}; pass the processor's outputs "
+                f"(**inputs, {key} included), or drop the placeholders from a text-only prompt"
+            )
+
+
 def prepack_for_compile(prepack, compile):
     """The prepack choice under `compile`: "auto" -> False, True refused."""
     if compile is None or compile is False:
@@ -99,10 +123,11 @@ class HFTarget(SpecTarget):
         self.kernels = spec.kernels
         super().__init__(spec, static=static, compile=compile, attention=attention)
 
-    def prefill(self, input_ids, *args, **kwargs):
+    def prefill(self, input_ids, attention_mask, model_inputs, *args, **kwargs):
         if self.model.training:  # wrapped in eval mode, switched to training since: check again
             check_eval_mode(self.model)
-        return super().prefill(input_ids, *args, **kwargs)
+        check_placeholders_have_pixels(self.model, input_ids, model_inputs)
+        return super().prefill(input_ids, attention_mask, model_inputs, *args, **kwargs)
 
     def acceptance_tables(self) -> dict:
         """Tables rules named by string can use: GSD clusters by input-embedding distance."""
