@@ -311,7 +311,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
-        return VLMPipelineOutput(texts=texts, sequences=seqs, stats=merge_stats(stats), errors=errors)
+        merged = merge_stats(stats)
+        # Per input row, in the caller's item order: batches group image and text-only items, and an
+        # item that failed to load generated nothing.
+        merged.new_tokens = [0 if s is None else int(s.numel()) for s in seqs]
+        return VLMPipelineOutput(texts=texts, sequences=seqs, stats=merged, errors=errors)
 
     def _generate(self, chunk, drafter, **options):
         images = [image for _, loaded, _ in chunk for image in loaded]

@@ -105,8 +105,13 @@ def test_a_progress_bar_counts_items_across_batches(parts, capsys):
     chunked = pipe(images, max_new_tokens=4, batch_size=1)
     assert "3/3" in capsys.readouterr().err
     assert chunked.texts == whole.texts
-    pipe(images + [None], max_new_tokens=4)  # image items and a text-only one: two batches
+    # image items, a text-only one and a missing file: two batches of the four items that load
+    mixed = pipe([None, *images, "/nonexistent/scene.png"], max_new_tokens=4)
     assert "4/4" in capsys.readouterr().err
+    # stats.new_tokens is per item in the caller's order, 0 for the item that failed (it was in
+    # batch order, image items first, and the failed item was missing from it)
+    assert mixed.stats.new_tokens == [len(s) for s in mixed.sequences[:4]] + [0]
+    assert mixed.texts[1:4] == whole.texts and mixed.errors[4] is not None
     pipe.set_progress_bar_config(disable=True)
     pipe(images, max_new_tokens=4, batch_size=1)
     assert "3/3" not in capsys.readouterr().err
