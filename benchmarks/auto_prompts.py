@@ -22,8 +22,7 @@ import torch
 
 def main() -> None:
     import mmspec
-    from mmspec.bench.draft_length import PAIRS, _prompts
-    from mmspec.bench.pair import PairConfig, build_pair
+    from mmspec.bench.draft_length import PAIRS, _prompts, named_pair
     from mmspec.drafters import ModelDrafter
     from mmspec.models.hf_target import HFTarget
 
@@ -36,10 +35,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
-    pc = PairConfig(perturbation=PAIRS[a.pair])
-    target, drafter = build_pair(pc)
-    for m in (target, drafter):
-        m.generation_config.eos_token_id = None
+    pc, target, drafter = named_pair(a.pair)
     wrapped = HFTarget(target)
     prompts = [_prompts(1, (12, 32), pc.vocab_size, seed=s) for s in range(1, a.prompts + 1)]
     methods = {f"K={k}": ModelDrafter(drafter, int(k)) for k in a.fixed_k.split(",")}

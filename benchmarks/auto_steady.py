@@ -25,8 +25,7 @@ import torch
 def main() -> None:
     import mmspec
     from mmspec.bench.core import _prompts
-    from mmspec.bench.draft_length import PAIRS
-    from mmspec.bench.pair import PairConfig, build_pair
+    from mmspec.bench.draft_length import PAIRS, named_pair
     from mmspec.drafters import ModelDrafter, NullDrafter
     from mmspec.models.hf_target import HFTarget
 
@@ -40,10 +39,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
-    pc = PairConfig(perturbation=PAIRS[a.pair])
-    target, drafter = build_pair(pc)
-    for m in (target, drafter):
-        m.generation_config.eos_token_id = None
+    pc, target, drafter = named_pair(a.pair)
     wrapped = HFTarget(target)  # built once: the kernel choice and the wrap are paid once
     auto = ModelDrafter(drafter, "auto", max_draft_tokens=8)
     fixed = f"K={a.fixed_k}"

@@ -25,6 +25,16 @@ from mmspec.cli_types import positive_int
 PAIRS = {"weak": 0.07, "bench": 0.03, "strong": 0.016}
 
 
+def named_pair(name: str, base: PairConfig | None = None):
+    """(config, target, drafter) of a named bench pair, with EOS off so every request decodes
+    `max_new_tokens` tokens (the benches compare lengths of equal work)."""
+    pc = PairConfig(**{**asdict(base or PairConfig()), "perturbation": PAIRS[name]})
+    target, drafter = build_pair(pc)
+    for m in (target, drafter):
+        m.generation_config.eos_token_id = None
+    return pc, target, drafter
+
+
 @dataclass(frozen=True)
 class DraftLengthBench:
     pairs: tuple[str, ...] = ("weak", "bench", "strong")
@@ -60,10 +70,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
     rows, pairs_info = [], {}
     N = config.max_new_tokens
     for pair_name in config.pairs:
-        pc = PairConfig(**{**asdict(config.pair), "perturbation": PAIRS[pair_name]})
-        target, drafter = build_pair(pc)
-        for m in (target, drafter):
-            m.generation_config.eos_token_id = None
+        pc, target, drafter = named_pair(pair_name, config.pair)
         probe, _ = _prompts(8, (12, 32), pc.vocab_size, seed=99)
         agreement = round(greedy_agreement(target, drafter, probe), 3)
         t_wrap = HFTarget(target)  # wrapped once, reused by every call (the kernel choice is made here)
