@@ -331,6 +331,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         labels = self._labels(class_labels)
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")
+        if callback_on_step_end is not None and not callable(callback_on_step_end):  # failed at the first step
+            raise TypeError(f"callback_on_step_end must be None or callable, got {type(callback_on_step_end).__name__}")
         if not isinstance(return_dict, bool):  # diffusers reads any truthy value as True
             raise TypeError(f"return_dict must be True or False, got {return_dict!r}")
         if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:

@@ -158,6 +158,8 @@ def test_bad_input_is_refused_by_name(tmp_path):
         pipe([0], speculative="no")
     with pytest.raises(TypeError, match="return_dict must be True or False"):  # "no" returned the output object
         pipe([0], return_dict="no")
+    with pytest.raises(TypeError, match="callback_on_step_end must be None or callable, got int"):
+        pipe([0], callback_on_step_end=3)
     # A drafter the folder cannot hold: it was saved with a warning, and the folder drafted
     # with a JacobiDrafter instead.
     pipe.drafter = NullDrafter(30)
