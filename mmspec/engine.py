@@ -93,7 +93,7 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
 
 
 def _check_positions(target, drafter, length: int, max_new_tokens: int) -> None:
-    """Refuse a request that could run past a learned absolute position table (GPT-2's
+    """Refuse a request that could run past an absolute position table (GPT-2's
     `n_positions`): plain decoding feeds positions up to length + max_new_tokens - 2, and a
     step's drafts reach up to `max_draft_nodes` positions past its root (the last step's
     root included), where the lookup would fail deep in the forward."""
@@ -105,7 +105,7 @@ def _check_positions(target, drafter, length: int, max_new_tokens: int) -> None:
         limit = getattr(part, "max_positions", None)
         if limit is None or plain + depth <= limit:
             continue
-        table = f"the {role}'s learned position table holds ({limit})"
+        table = f"the {role}'s position table holds ({limit})"
         if length > limit:
             raise ValueError(f"the prompt's {length} positions are more than {table}; shorten the prompt"
                              + (" or use a drafter with a longer table" if role == "drafter" else ""))

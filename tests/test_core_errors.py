@@ -140,10 +140,10 @@ def test_mrope_models_are_refused_by_the_generic_adapter():
 
 
 def test_learned_position_tables_bound_the_request():
-    """GPT-2 / OPT index a learned position table: a request whose drafts could run past it
+    """GPT-2 / OPT / CTRL index a position table: a request whose drafts could run past it
     failed deep in the forward (IndexError; on CUDA a device-side assert), also where plain
     decoding fits. Refused up front by name now; requests that fit run and equal `generate`."""
-    from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
+    from transformers import CTRLConfig, CTRLLMHeadModel, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
     from mmspec.models.hf_spec import learned_position_limit
 
@@ -151,16 +151,17 @@ def test_learned_position_tables_bound_the_request():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2)).eval()
     opt = OPTForCausalLM(OPTConfig(vocab_size=50, max_position_embeddings=16, hidden_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32)).eval()
+    ctrl = CTRLLMHeadModel(CTRLConfig(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2, dff=64)).eval()
     ids = torch.randint(3, 50, (2, 10))
-    for model in (gpt2, opt):
-        assert learned_position_limit(model) == 16  # OPT's table has 18 rows, offset 2
+    for model in (gpt2, opt, ctrl):
+        assert learned_position_limit(model) == 16  # OPT's table has 18 rows, offset 2; CTRL's is a sinusoid buffer
         # 10 + 4 new tokens + 2 draft positions = 16: fits, and equals plain greedy decoding
         out = mmspec.speculative_generate(model, ModelDrafter(model, 2), ids, max_new_tokens=4, temperature=0)
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                              pad_token_id=0)
         assert torch.equal(out.sequences, ref)
         # 10 + 6 - 1 + 3 = 18 > 16: an IndexError in the drafter's forward before
-        with pytest.raises(ValueError, match=r"may need 18 positions, more than the target's learned position "
+        with pytest.raises(ValueError, match=r"may need 18 positions, more than the target's position "
                                              r"table holds \(16\); draft fewer tokens \(max_draft_nodes=3\) or lower "
                                              r"max_new_tokens to 4"):
             mmspec.speculative_generate(model, ModelDrafter(model, 3), ids, max_new_tokens=6, temperature=0)

@@ -64,17 +64,21 @@ _POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2 / GPT-Neo / GPT-BigCode; 
 
 
 def learned_position_limit(model) -> int | None:
-    """How many positions the model's learned absolute position table can index (GPT-2's
-    `wpe`: `n_positions`; OPT's `embed_positions` less its offset of 2), or None for models
+    """How many positions the model's absolute position table can index (GPT-2's `wpe`:
+    `n_positions`; OPT's `embed_positions` less its offset of 2; CTRL's sinusoidal `pos_encoding`
+    tensor), or None for models
     without one (RoPE and the like extrapolate). Past it the table lookup fails deep in the
     forward (an IndexError on the CPU, a device-side assert that ends the CUDA context)."""
     try:
         root = model.get_decoder()  # the language model of a VLM: never its vision tower's table
     except Exception:  # noqa: BLE001 - models without (or with a failing) get_decoder
         root = None
-    limits = [m.num_embeddings - int(getattr(m, "offset", 0) or 0)
-              for name, m in (root if isinstance(root, torch.nn.Module) else model).named_modules()
+    root = root if isinstance(root, torch.nn.Module) else model
+    limits = [m.num_embeddings - int(getattr(m, "offset", 0) or 0) for name, m in root.named_modules()
               if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES]
+    # CTRL: a fixed-size sinusoidal table held as a tensor, indexed by position all the same
+    limits += [t.shape[0] for name, t in root.named_buffers()
+               if name.rsplit(".", 1)[-1] == "pos_encoding" and t.dim() >= 1]
     return min(limits) if limits else None
 
 
