@@ -66,9 +66,9 @@ _POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2 / GPT-Neo / GPT-BigCode; 
 def learned_position_limit(model) -> int | None:
     """How many positions the model's absolute position table can index (GPT-2's `wpe`:
     `n_positions`; OPT's `embed_positions` less its offset of 2; CTRL's sinusoidal `pos_encoding`
-    tensor), or None for models
-    without one (RoPE and the like extrapolate). Past it the table lookup fails deep in the
-    forward (an IndexError on the CPU, a device-side assert that ends the CUDA context)."""
+    tensor), or None for models without one (RoPE and the like extrapolate). Past it the table
+    lookup fails deep in the forward (an IndexError on the CPU, a device-side assert that ends
+    the CUDA context)."""
     try:
         root = model.get_decoder()  # the language model of a VLM: never its vision tower's table
     except Exception:  # noqa: BLE001 - models without (or with a failing) get_decoder
