@@ -72,12 +72,18 @@ class GroupedAcceptance(ChainRule):
             raise ValueError(f"embeddings must be a [V, D] tensor, got {getattr(embeddings, 'shape', type(embeddings))}")
         if not embeddings.is_floating_point():
             raise ValueError(f"embeddings must be floating point, got dtype {embeddings.dtype}")
-        if not isinstance(window, int) or window < 1:
+        if not bool(torch.isfinite(embeddings).all()):  # NaN distances silently emptied every cluster
+            raise ValueError("embeddings hold NaN or inf entries; pass the model's finite token embeddings")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1 (tokens around x's rank), got {window!r}")
-        if not isinstance(prob_threshold, (int, float)) or float(prob_threshold) < 0:
-            raise ValueError(f"prob_threshold must be >= 0, got {prob_threshold!r}")
-        if not isinstance(distance_threshold, (int, float)) or float(distance_threshold) < 0:
-            raise ValueError(f"distance_threshold must be >= 0, got {distance_threshold!r}")
+        # `not x >= 0` also refuses NaN, which compared False everywhere (an exact rule in disguise);
+        # an infinite distance threshold is meaningful (no embedding-distance test) and kept
+        if isinstance(prob_threshold, bool) or not isinstance(prob_threshold, (int, float)) or not prob_threshold >= 0:
+            raise ValueError(f"prob_threshold must be a number >= 0, got {prob_threshold!r}")
+        if (isinstance(distance_threshold, bool) or not isinstance(distance_threshold, (int, float))
+                or not distance_threshold >= 0):
+            raise ValueError(f"distance_threshold must be a number >= 0 (inf: no distance test), got "
+                             f"{distance_threshold!r}")
         self.embeddings = embeddings.detach().to(torch.float32)
         self.window = window
         self.prob_threshold = float(prob_threshold)

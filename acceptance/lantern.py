@@ -38,6 +38,8 @@ a gather of B*K*1000 target probabilities per verification.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import ChainRule
@@ -106,8 +108,12 @@ class LanternAcceptance(ChainRule):
             raise ValueError(f"codebook must be a [V, D] tensor, got {getattr(codebook, 'shape', type(codebook))}")
         if not codebook.is_floating_point():
             raise ValueError(f"codebook must be a floating point embedding table, got dtype {codebook.dtype}")
+        if not bool(torch.isfinite(codebook).all()):  # NaN distances made the neighbour lists arbitrary
+            raise ValueError("codebook holds NaN or inf entries; pass the VQ codebook's finite embeddings")
+        if not isinstance(normalize, bool):  # "no" is truthy
+            raise TypeError(f"normalize must be True or False, got {normalize!r}")
         V = codebook.shape[0]
-        if not isinstance(k, int) or k < 0:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an int >= 0 (number of neighbours searched), got {k!r}")
         if k > V - 1:
             raise ValueError(f"k={k} exceeds V-1={V - 1} neighbours in the codebook; lower k")
@@ -115,10 +121,12 @@ class LanternAcceptance(ChainRule):
             raise ValueError("give only one of delta (LANTERN) and lam (LANTERN++), not both")
         if delta is None and lam is None:
             delta = 0.1
-        if delta is not None and (not isinstance(delta, (int, float)) or not (0.0 <= float(delta) <= 1.0)):
+        if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float))
+                                  or not (0.0 <= float(delta) <= 1.0)):
             raise ValueError(f"delta must be a total-variation budget in [0, 1], got {delta!r}")
-        if lam is not None and (not isinstance(lam, (int, float)) or float(lam) < 1.0):
-            raise ValueError(f"lam must be >= 1 (p~(x) <= lam * p(x)), got {lam!r}")
+        if lam is not None and (isinstance(lam, bool) or not isinstance(lam, (int, float))
+                                or not (1.0 <= float(lam) < math.inf)):  # NaN passed `lam < 1`
+            raise ValueError(f"lam must be a finite number >= 1 (p~(x) <= lam * p(x)), got {lam!r}")
         if zero_neighbours not in ("bound", "k"):
             raise ValueError(f"zero_neighbours must be 'bound' (the J borrowed neighbours) or 'k', got {zero_neighbours!r}")
         self.k = k

@@ -23,6 +23,8 @@ reported per candidate is the over-accepted mass of the unifying view in docs/al
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import ChainRule
@@ -41,10 +43,11 @@ class TypicalAcceptance(ChainRule):
     name = "typical"
 
     def __init__(self, epsilon: float = 0.09, alpha: float = 0.3) -> None:
-        if not isinstance(epsilon, (int, float)) or not (0.0 <= float(epsilon) <= 1.0):
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not (0.0 <= float(epsilon) <= 1.0):
             raise ValueError(f"epsilon must be a probability threshold in [0, 1], got {epsilon!r}")
-        if not isinstance(alpha, (int, float)) or float(alpha) < 0.0:
-            raise ValueError(f"alpha must be a number >= 0, got {alpha!r}")
+        # NaN / inf made the threshold NaN (inf * exp(-H) is NaN where exp(-H) underflows to 0)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0.0 <= float(alpha) < math.inf):
+            raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
         self.epsilon = float(epsilon)
         self.alpha = float(alpha)
 

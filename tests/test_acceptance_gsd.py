@@ -113,6 +113,9 @@ def test_gsd_one_hot_distortion_is_the_step_tvd():
         (dict(window=0), "window"),
         (dict(prob_threshold=-1.0), "prob_threshold"),
         (dict(distance_threshold=-0.5), "distance_threshold"),
+        # NaN compared False everywhere: every cluster came out empty, exact sampling in disguise
+        (dict(prob_threshold=float("nan")), "prob_threshold"),
+        (dict(distance_threshold=float("nan")), "distance_threshold"),
     ],
 )
 def test_gsd_invalid_arguments(kwargs, word):
@@ -120,6 +123,9 @@ def test_gsd_invalid_arguments(kwargs, word):
         GroupedAcceptance(torch.zeros(6, 2), **kwargs)
     with pytest.raises(ValueError, match="embeddings"):
         GroupedAcceptance(torch.zeros(6))
+    with pytest.raises(ValueError, match="embeddings hold NaN"):
+        GroupedAcceptance(torch.tensor([[0.0, 1.0], [float("nan"), 0.0]]))
+    GroupedAcceptance(torch.zeros(6, 2), distance_threshold=float("inf"))  # no distance test: meaningful
 
 
 # -- cluster-exact ------------------------------------------------------------------------

@@ -177,6 +177,9 @@ def test_measured_acceptance_rates_increase_with_relaxation():
         (dict(k=3, lam=0.5), "lam"),
         (dict(k=3, delta=0.1, lam=2.0), "delta"),
         (dict(k=3, zero_neighbours="all"), "zero_neighbours"),
+        (dict(k=3, lam=float("nan")), "lam"),  # NaN passed `lam < 1`
+        (dict(k=3, lam=float("inf")), "lam"),
+        (dict(k=True), "k"),
     ],
 )
 def test_invalid_arguments_name_the_argument(kwargs, word):
@@ -187,6 +190,12 @@ def test_invalid_arguments_name_the_argument(kwargs, word):
 def test_codebook_must_be_2d():
     with pytest.raises(ValueError, match="codebook"):
         LanternAcceptance(torch.randn(6), k=1)
+    bad = codebook().clone()
+    bad[1, 0] = float("nan")  # NaN distances made the neighbour lists arbitrary
+    with pytest.raises(ValueError, match="codebook holds NaN"):
+        LanternAcceptance(bad, k=1)
+    with pytest.raises(TypeError, match="normalize must be True or False"):  # "no" normalised
+        LanternAcceptance(codebook(), k=1, normalize="no")
     rule = LanternAcceptance(codebook(), k=2)
     with pytest.raises(ValueError, match="codebook"):
         rule.accept_probability(torch.tensor([0]), torch.full((1, 7), 1 / 7), None)

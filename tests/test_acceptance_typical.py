@@ -51,7 +51,8 @@ def test_rejected_draft_is_replaced_by_a_target_sample():
     assert torch.allclose(res.distortion, torch.full((10,), 0.5, dtype=torch.float64))  # 1 - p(x)
 
 
-@pytest.mark.parametrize("kwargs, word", [(dict(epsilon=-0.1), "epsilon"), (dict(epsilon=1.5), "epsilon"), (dict(alpha=-1.0), "alpha")])
+@pytest.mark.parametrize("kwargs, word", [(dict(epsilon=-0.1), "epsilon"), (dict(epsilon=1.5), "epsilon"), (dict(alpha=-1.0), "alpha"),
+                                          (dict(alpha=float("nan")), "alpha"), (dict(alpha=float("inf")), "alpha")])
 def test_invalid_arguments(kwargs, word):
     with pytest.raises(ValueError, match=word):
         TypicalAcceptance(**kwargs)
