@@ -78,9 +78,9 @@ class ContinuousAcceptance:
     name = "continuous"
 
     def __init__(self, max_tries: int = 64, tries_per_block: int = 16) -> None:
-        if not isinstance(max_tries, int) or max_tries < 1:
+        if isinstance(max_tries, bool) or not isinstance(max_tries, int) or max_tries < 1:
             raise ValueError(f"max_tries must be an int >= 1, got {max_tries!r}")
-        if not isinstance(tries_per_block, int) or tries_per_block < 1:
+        if isinstance(tries_per_block, bool) or not isinstance(tries_per_block, int) or tries_per_block < 1:
             raise ValueError(f"tries_per_block must be an int >= 1, got {tries_per_block!r}")
         self.max_tries = max_tries
         self.tries_per_block = tries_per_block

@@ -154,6 +154,9 @@ def test_invalid_inputs_name_the_argument():
     dm, ds, tm, ts = gaussians(2, 3, 4, 0.0, 1.0, 0.0, 1.0)
     x = torch.zeros(2, 3, 4, dtype=torch.float64)
     rule = ContinuousAcceptance()
+    for bad in (dict(max_tries=True), dict(tries_per_block=True)):  # True ran as 1
+        with pytest.raises(ValueError, match="must be an int >= 1, got True"):
+            ContinuousAcceptance(**bad)
     with pytest.raises(ValueError, match="draft_std"):
         rule.verify(x, dm, -ds, tm, ts)
     with pytest.raises(ValueError, match="target_std"):
