@@ -151,6 +151,7 @@ class ModelDrafter:
             self._catch_up_queries = tree.depth + 1 if tree is not None else 2
         self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
         self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
+        self._cap: int | None = None  # a request's room before a position table's end (`cap_draft_length`)
         self._drafted = 0  # tokens the last chain drafted (k, or fewer when it ended at EOS)
         self._stop = ChainStop()
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
@@ -170,6 +171,7 @@ class ModelDrafter:
         self.pending_count = input_ids.new_zeros(B)
         self.pending_host = [0] * B
         self._plain_steps = 0  # K = 0 steps since the drafter last ran
+        self._cap = None
         if self.adaptive:
             # Deferred to the first step that drafts: a request the controller decodes plainly
             # throughout never pays for the drafter's prompt prefill.
@@ -183,7 +185,7 @@ class ModelDrafter:
     def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
         B = roots.shape[0]
         device = roots.device
-        K = self.k
+        K = self.k if self._cap is None else min(self.k, self._cap)
         if self.tree is None and K == 0:
             # Plain decoding this step: no drafter forward; the root joins the tokens the
             # drafter will catch up on the next time it drafts.
@@ -249,6 +251,19 @@ class ModelDrafter:
     def set_stop_tokens(self, token_ids) -> None:
         """The loop's EOS ids: a chain ends once every row has drafted one (drafters/chain_stop.py)."""
         self._stop.set(token_ids)
+
+    @property
+    def cappable(self) -> bool:
+        """Whether the loop may shorten a step's chain (`cap_draft_length`): chains of dynamic
+        length only (a tree's shape and a static forward's query count are fixed)."""
+        return self.tree is None and not self.static
+
+    def cap_draft_length(self, cap: int) -> None:
+        """At most `cap` drafts this step (the loop's room before a position table's end; the
+        cap lasts until the next call or request)."""
+        if not self.cappable:
+            raise ValueError("cap_draft_length needs a chain drafter with dynamic shapes (no tree, static=False)")
+        self._cap = int(cap)
 
     def set_draft_length(self, k: int) -> None:
         """The loop's choice of K for the next step (adaptive drafters only)."""

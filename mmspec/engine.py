@@ -92,15 +92,18 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
     return am
 
 
-def _check_positions(target, drafter, length: int, max_new_tokens: int) -> None:
+def _check_positions(target, drafter, length: int, max_new_tokens: int) -> int | None:
     """Refuse a request that could run past an absolute position table (GPT-2's
     `n_positions`): plain decoding feeds positions up to length + max_new_tokens - 2, and a
     step's drafts reach up to `max_draft_nodes` positions past its root (the last step's
-    root included), where the lookup would fail deep in the forward."""
+    root included), where the lookup would fail deep in the forward. A chain drafter that can
+    be capped (`cappable`: ModelDrafter chains) is instead held, step by step, to the room left
+    before the table's end: returns that table size, or None when no cap is needed."""
     if max_new_tokens == 0:
-        return
+        return None
     depth = int(getattr(drafter, "max_draft_nodes", 0) or 0)
     plain = length + max_new_tokens - 1  # positions plain decoding feeds
+    cap = None
     for role, part in (("target", target), ("drafter", drafter)):
         limit = getattr(part, "max_positions", None)
         if limit is None or plain + depth <= limit:
@@ -112,12 +115,16 @@ def _check_positions(target, drafter, length: int, max_new_tokens: int) -> None:
         if plain > limit:
             raise ValueError(f"prompt length {length} + max_new_tokens {max_new_tokens} needs {plain} positions, more "
                              f"than {table}; lower max_new_tokens to {limit - length + 1}")
+        if getattr(drafter, "cappable", False):
+            cap = limit if cap is None else min(cap, limit)
+            continue
         fits = limit - length + 1 - depth
         raise ValueError(
             f"prompt length {length} + max_new_tokens {max_new_tokens} + up to {depth} draft positions may need "
             f"{plain + depth} positions, more than {table}; draft fewer tokens (max_draft_nodes={depth})"
             + (f" or lower max_new_tokens to {fits}" if fits > 0 else "")
         )
+    return cap
 
 
 def _rule_tables(acceptance, kwargs: dict, target, drafter) -> dict:
@@ -425,7 +432,7 @@ def speculative_generate(
             f"drafter vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size}); the drafter "
             "must share the target's tokenizer and vocabulary size"
         )
-    _check_positions(target, drafter, input_ids.shape[1], max_new_tokens)
+    position_limit = _check_positions(target, drafter, input_ids.shape[1], max_new_tokens)
     if not features.empty and not getattr(target, "supports_features", False):
         raise TypeError(
             f"drafter {type(drafter).__name__} reads target features {features} but target {type(target).__name__} "
@@ -438,6 +445,8 @@ def speculative_generate(
     if max_new_tokens == 0:
         return SpecOutput(input_ids.clone(), stats)
     loop = _Loop(target, drafter, rule, sampling, generator, stats, input_ids.device)
+    if position_limit is not None:  # room before the table's end, from the longest (padded) row
+        loop.position_room = (position_limit, input_ids.shape[1])
     emitter = _Emitter(input_ids.shape[0], max_new_tokens, eos, pad_token_id, input_ids.device)
     loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
     while emitter.rows_host:
@@ -467,6 +476,7 @@ class _Loop:
         # The K = 0 shortcut is taken only for rules whose K = 0 verdict is known to be
         # "sample the target" (the base class's vectorised verify, not overridden).
         self.plain_step = _plain_k0(rule)
+        self.position_room: tuple[int, int] | None = None  # (position table size, padded prompt length)
 
     def prefill(self, input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter: _Emitter) -> None:
         tout = self.target.prefill(
@@ -497,6 +507,10 @@ class _Loop:
             remaining = [emitter.max_new - emitter.new_tokens[r] for r in emitter.rows_host]
             k = self.controller.choose(len(emitter.rows_host), remaining)
             self.drafter.set_draft_length(k)
+        if self.position_room is not None:
+            # Root positions are prompt + emitted - 1, so a row's drafts may reach limit - 1 at most.
+            limit, length = self.position_room
+            self.drafter.cap_draft_length(max(limit - length - max(emitter.new_tokens[r] for r in rows), 0))
         h0 = time.perf_counter()
         t0 = self.timer.mark()
         draft: Draft = self.drafter.propose(self.roots, self.sampling, self.generator)

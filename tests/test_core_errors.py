@@ -142,7 +142,9 @@ def test_mrope_models_are_refused_by_the_generic_adapter():
 def test_learned_position_tables_bound_the_request():
     """GPT-2 / OPT / CTRL index a position table: a request whose drafts could run past it
     failed deep in the forward (IndexError; on CUDA a device-side assert), also where plain
-    decoding fits. Refused up front by name now; requests that fit run and equal `generate`."""
+    decoding fits. Now a chain drafter is held to the room left before the table's end, step by
+    step (whatever plain decoding can do, speculation does, and equals it); a drafter whose
+    shape is fixed (a tree, static shapes) is refused up front by name."""
     from transformers import CTRLConfig, CTRLLMHeadModel, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
     from mmspec.models.hf_spec import learned_position_limit
@@ -160,11 +162,21 @@ def test_learned_position_tables_bound_the_request():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                              pad_token_id=0)
         assert torch.equal(out.sequences, ref)
-        # 10 + 6 - 1 + 3 = 18 > 16: an IndexError in the drafter's forward before
-        with pytest.raises(ValueError, match=r"may need 18 positions, more than the target's position "
+        # 10 + 7 - 1 = 16 positions, the whole table, for plain decoding; K = 3 drafts reached 18
+        # (an IndexError in the drafter's forward before): chains are now capped near the end
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=7, do_sample=False,
+                             pad_token_id=0)
+        fixed = ModelDrafter(model, 3)
+        for drafter in (fixed, ModelDrafter(model), fixed):  # K = 3, "auto", and K = 3 reused
+            out = mmspec.speculative_generate(model, drafter, ids, max_new_tokens=7, temperature=0)
+            assert torch.equal(out.sequences, ref)
+            assert out.stats.nodes_per_step[-1] < 3 or drafter is not fixed  # the last steps drafted fewer
+        assert out.stats.nodes_per_step[0] == 3  # a new request starts uncapped
+        tree = ModelDrafter(model, tree=mmspec.TreeConfig(depth=2, top_k=2, num_nodes=3))  # a fixed shape
+        with pytest.raises(ValueError, match=r"may need 19 positions, more than the target's position "
                                              r"table holds \(16\); draft fewer tokens \(max_draft_nodes=3\) or lower "
                                              r"max_new_tokens to 4"):
-            mmspec.speculative_generate(model, ModelDrafter(model, 3), ids, max_new_tokens=6, temperature=0)
+            mmspec.speculative_generate(model, tree, ids, max_new_tokens=7, temperature=0)
         with pytest.raises(ValueError, match="needs 17 positions.*lower max_new_tokens to 7"):  # plain cannot either
             mmspec.speculative_generate(model, ModelDrafter(model, 1), ids, max_new_tokens=8, temperature=0)
     wide = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
