@@ -219,6 +219,15 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             return drafter, f"ModelDrafter(K={K}, tree={tree})"
         return d, type(d).__name__
 
+    def __setattr__(self, name, value):
+        # diffusers registers a component on assignment and fails on a value that is not an object
+        # of a class (`pipe.drafter = "jacobi"`: AttributeError '__module__'): name what fits instead
+        if name == "drafter" and value is not None and not isinstance(value, (LlamaGenGPT, JacobiDrafter)) and not all(
+                hasattr(value, n) for n in ("prefill", "propose", "commit", "select_rows", "vocab_size")):
+            raise TypeError(f"drafter must be None, a LlamaGenGPT, a JacobiDrafter or an mmspec Drafter, got "
+                            f"{type(value).__name__}")
+        super().__setattr__(name, value)
+
     # ---- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, **kwargs):
         from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple

@@ -160,6 +160,9 @@ def test_bad_input_is_refused_by_name(tmp_path):
         pipe([0], return_dict="no")
     with pytest.raises(TypeError, match="callback_on_step_end must be None or callable, got int"):
         pipe([0], callback_on_step_end=3)
+    with pytest.raises(TypeError, match="drafter must be None, a LlamaGenGPT, a JacobiDrafter or an mmspec Drafter, "
+                                        "got str"):  # diffusers' registration failed with AttributeError '__module__'
+        pipe.drafter = "jacobi"
     # A drafter the folder cannot hold: it was saved with a warning, and the folder drafted
     # with a JacobiDrafter instead.
     pipe.drafter = NullDrafter(30)
