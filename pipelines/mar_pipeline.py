@@ -45,6 +45,14 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         super().__init__()
         self.register_modules(transformer=transformer, vae=vae, drafter=drafter)
 
+    def __setattr__(self, name, value):
+        # diffusers' registration fails on a value that is not an object of a class (a string:
+        # AttributeError '__module__'); name what fits instead
+        if name == "drafter" and value is not None and not isinstance(value, MARModel):
+            raise TypeError(f"drafter must be None or a MARModel (a smaller MAR of the same token grid), got "
+                            f"{type(value).__name__}")
+        super().__setattr__(name, value)
+
     def check_vae(self) -> None:
         t, v = self.transformer.config, self.vae.config
         if v.latent_channels != t.vae_embed_dim:

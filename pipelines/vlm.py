@@ -113,9 +113,22 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             self._check_drafter(drafter)
 
     # ---- drafters ---------------------------------------------------------------------------------
-    def _check_drafter(self, drafter) -> Any:
+    def __setattr__(self, name, value):
+        # diffusers' registration fails on a string with AttributeError '__module__' (or, on a
+        # loaded pipeline, keeps it until the call): say what fits, and how to switch by name
+        if name == "drafter" and value is not None:
+            self._check_drafter_type(value)
+        super().__setattr__(name, value)
+
+    @staticmethod
+    def _check_drafter_type(drafter) -> None:
         if not isinstance(drafter, DrafterComponent):
-            raise TypeError(f"drafter must be a DrafterComponent, got {type(drafter).__name__}")
+            hint = (f"; to switch to a saved drafter by name call pipe.load_drafter({drafter!r})"
+                    if isinstance(drafter, str) else "")
+            raise TypeError(f"drafter must be a DrafterComponent, got {type(drafter).__name__}{hint}")
+
+    def _check_drafter(self, drafter) -> Any:
+        self._check_drafter_type(drafter)
         key = id(drafter)
         if key not in self._built:
             # (ModelMixin.to warns about fp32 modules; none here)

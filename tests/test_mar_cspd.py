@@ -264,6 +264,8 @@ def test_pipeline_refuses_bad_inputs():
         pipe([7], num_iter=2, speculative=False)
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe([0], num_iter=2, speculative="no")
+    with pytest.raises(TypeError, match="drafter must be None or a MARModel"):  # diffusers: AttributeError '__module__'
+        pipe.drafter = "small"
     with pytest.raises(TypeError, match="return_dict must be True or False"):  # "no" returned the output object
         pipe([0], num_iter=2, return_dict="no")
     for bad in (0, -1, 17, 2.0, True):  # 16 tokens

@@ -129,6 +129,9 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         pipe(img[:1], ["a", "b"])
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe(img[:1], speculative="no")
+    # a name where a component belongs (diffusers failed with AttributeError '__module__')
+    with pytest.raises(TypeError, match=r"got str; to switch to a saved drafter by name call pipe.load_drafter\('eagle'\)"):
+        pipe.drafter = "eagle"
     for empty in ("", "  "):  # answered a question nobody asked (`mmspec vqa --question ""`)
         with pytest.raises(ValueError, match="is empty; pass a question, or None to caption"):
             pipe(img[:1], [empty])
