@@ -160,6 +160,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if isinstance(name_or_dir, str) and name_or_dir in self.drafters:
             self.drafter = self.drafters[name_or_dir]
             return self.drafter
+        if not isinstance(name_or_dir, (str, Path)):  # os.fspath's bare "expected str, bytes or os.PathLike"
+            raise TypeError(f"load_drafter takes a saved drafter's name or a folder, got {type(name_or_dir).__name__}"
+                            + ("; add a built component with pipe.add_drafter(name, component)"
+                               if isinstance(name_or_dir, DrafterComponent) else ""))
         path = Path(name_or_dir)
         if not (path / DrafterComponent.config_name).is_file():
             known = sorted(self.drafters) or "none"

@@ -132,6 +132,8 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
     # a name where a component belongs (diffusers failed with AttributeError '__module__')
     with pytest.raises(TypeError, match=r"got str; to switch to a saved drafter by name call pipe.load_drafter\('eagle'\)"):
         pipe.drafter = "eagle"
+    with pytest.raises(TypeError, match="load_drafter takes a saved drafter's name or a folder, got int"):
+        pipe.load_drafter(3)  # failed in os.fspath ("expected str, bytes or os.PathLike object")
     for empty in ("", "  "):  # answered a question nobody asked (`mmspec vqa --question ""`)
         with pytest.raises(ValueError, match="is empty; pass a question, or None to caption"):
             pipe(img[:1], [empty])
