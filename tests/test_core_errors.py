@@ -172,6 +172,9 @@ def test_learned_position_tables_bound_the_request():
             assert torch.equal(out.sequences, ref)
             assert out.stats.nodes_per_step[-1] < 3 or drafter is not fixed  # the last steps drafted fewer
         assert out.stats.nodes_per_step[0] == 3  # a new request starts uncapped
+        sampled = mmspec.speculative_generate(model, ModelDrafter(model, 3), ids, max_new_tokens=7, temperature=1.0,
+                                              generator=torch.Generator().manual_seed(0))  # exact sampling, capped too
+        assert sampled.sequences.shape == ref.shape and sampled.stats.nodes_per_step[-1] < 3
         tree = ModelDrafter(model, tree=mmspec.TreeConfig(depth=2, top_k=2, num_nodes=3))  # a fixed shape
         with pytest.raises(ValueError, match=r"may need 19 positions, more than the target's position "
                                              r"table holds \(16\); draft fewer tokens \(max_draft_nodes=3\) or lower "
