@@ -67,6 +67,9 @@ class GuidedTarget:
             self.schedule = lambda index: scale
         self.target = as_target(target)
         self.vocab_size = self.target.vocab_size
+        # A position table (GPT-2's) bounds the conditional rows through the loop's own check; the
+        # unconditional rows, whose prompts may be longer, are checked at prefill.
+        self.max_positions = getattr(self.target, "max_positions", None)
         self.supports_features = getattr(self.target, "supports_features", False)
         self.uncond_input_ids = uncond_input_ids
         self.uncond_attention_mask = uncond_attention_mask
@@ -121,6 +124,13 @@ class GuidedTarget:
             u_inputs = model_inputs
         if u_ids.dim() != 2 or u_ids.shape[0] != B:
             raise ValueError(f"unconditional prompts must be [B={B}, L'] (one per row), got {tuple(u_ids.shape)}")
+        need = u_ids.shape[1] + max_new_tokens - 1 + max_draft_nodes
+        if self.max_positions is not None and u_ids.shape[1] > input_ids.shape[1] and need > self.max_positions:
+            raise ValueError(
+                f"the unconditional prompts ({u_ids.shape[1]} tokens) + max_new_tokens {max_new_tokens} + up to "
+                f"{max_draft_nodes} draft positions may need {need} positions, more than the target's position table "
+                f"holds ({self.max_positions}); shorten the unconditional prompts or lower max_new_tokens"
+            )
         L = max(input_ids.shape[1], u_ids.shape[1])
         c_ids, c_mask = _left_pad(input_ids, attention_mask, L, self.pad_token_id)
         u_ids, u_mask = _left_pad(u_ids, u_mask.to(attention_mask.dtype), L, self.pad_token_id)

@@ -239,3 +239,21 @@ def test_an_image_target_with_active_dropout_is_refused():
     with pytest.raises(ValueError, match=r"LlamaGenGPT\) is in training mode with active dropout"):
         LlamaGenTarget(gpt)
     LlamaGenTarget(gpt.eval())
+
+
+def test_guided_unconditional_prompts_are_bounded_by_the_position_table():
+    """CFG over GPT-2: unconditional prompts longer than the conditional ones reach further into
+    the position table than the loop's check (made on the conditional prompt) sees; a request
+    whose unconditional rows could run past it failed with an IndexError at its last steps."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2)).double().eval()
+    ids = torch.randint(3, 50, (1, 10))
+    short = mmspec.GuidedTarget(gpt2, 2.0, uncond_input_ids=torch.randint(3, 50, (1, 8)))
+    out = mmspec.speculative_generate(short, ModelDrafter(gpt2, 2), ids, max_new_tokens=5, temperature=0)
+    assert out.sequences.shape == (1, 15)
+    long = mmspec.GuidedTarget(gpt2, 2.0, uncond_input_ids=torch.randint(3, 50, (1, 12)))
+    with pytest.raises(ValueError, match=r"the unconditional prompts \(12 tokens\) \+ max_new_tokens 5 \+ up to 2 draft "
+                                         r"positions may need 18 positions, more than the target's position table"):
+        mmspec.speculative_generate(long, ModelDrafter(gpt2, 2), ids, max_new_tokens=5, temperature=0)
