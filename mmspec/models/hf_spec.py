@@ -60,6 +60,16 @@ def _decoder_layers(model, num_layers: int) -> torch.nn.ModuleList | None:
     return None
 
 
+_PLACEHOLDER_NAMES = {"image": ("image_token_id", "image_token_index"), "video": ("video_token_id", "video_token_index")}
+
+
+def placeholder_ids(config, kinds=("image", "video")) -> list[int]:
+    """The multimodal placeholder token ids a VLM config declares (transformers spells them
+    `*_token_id` or, in older configs, `*_token_index`)."""
+    return [v for kind in kinds for name in _PLACEHOLDER_NAMES[kind]
+            if isinstance(v := getattr(config, name, None), int) and not isinstance(v, bool)]
+
+
 _POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2 / GPT-Neo / GPT-BigCode; OPT / BioGPT
 
 
@@ -159,8 +169,7 @@ class HFSpec(ForwardSpec):
         # Multimodal placeholders (an image / video token id) may lie past the embedding in
         # some families, whose forward swaps them out before embedding: not refused here.
         config = getattr(self.model, "config", None)
-        special = [v for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
-                   if isinstance(v := getattr(config, name, None), int) and not isinstance(v, bool) and v >= rows]
+        special = [v for v in placeholder_ids(config) if v >= rows]
         if special:
             input_ids = input_ids[~torch.isin(input_ids, torch.tensor(special, device=input_ids.device))]
             if input_ids.numel() == 0:

@@ -17,7 +17,7 @@ import inspect
 import torch
 
 from mmspec.models.eval_mode import check_eval_mode
-from mmspec.models.hf_spec import HFSpec, text_vocab_size
+from mmspec.models.hf_spec import HFSpec, placeholder_ids, text_vocab_size
 from mmspec.models.prepack import kernels_of, maybe_packed
 from mmspec.models.qwen2vl_spec import MROPE_MODEL_TYPES, Qwen2VLSpec
 from mmspec.models.qwen2vl_spec import model_type as model_type_of
@@ -62,8 +62,7 @@ def check_supported(model) -> None:
                          "*ForConditionalGeneration class")
 
 
-_PLACEHOLDERS = (("image", ("image_token_id", "image_token_index"), "pixel_values"),
-                 ("video", ("video_token_id", "video_token_index"), "pixel_values_videos"))
+_PIXEL_INPUTS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 
 def check_placeholders_have_pixels(model, input_ids, model_inputs: dict) -> None:
@@ -72,10 +71,10 @@ def check_placeholders_have_pixels(model, input_ids, model_inputs: dict) -> None
     text token and answers about an image it never saw. Refused by name (SYNC: once per
     request, and only when a VLM gets no pixels)."""
     config = getattr(model, "config", None)
-    for kind, names, key in _PLACEHOLDERS:
+    for kind, key in _PIXEL_INPUTS.items():
         if model_inputs.get(key) is not None:
             continue
-        ids = [v for n in names if isinstance(v := getattr(config, n, None), int) and not isinstance(v, bool)]
+        ids = placeholder_ids(config, (kind,))
         if ids and bool(torch.isin(input_ids, torch.tensor(ids, device=input_ids.device)).any()):
             raise ValueError(
                 f"input_ids hold {kind} placeholder tokens (id {ids[0]}) but no {key} was given: the model would embed "
@@ -114,7 +113,6 @@ class HFTarget(SpecTarget):
 
     def __init__(self, model, *, prepack="auto", static: bool | None = None, compile=None, attention: str = "auto"):
         check_supported(model)
-        check_eval_mode(model)
         prepack = prepack_for_compile(prepack, compile)
         self.model = model
         run = maybe_packed(model, prepack)
@@ -124,8 +122,7 @@ class HFTarget(SpecTarget):
         super().__init__(spec, static=static, compile=compile, attention=attention)
 
     def prefill(self, input_ids, attention_mask, model_inputs, *args, **kwargs):
-        if self.model.training:  # wrapped in eval mode, switched to training since: check again
-            check_eval_mode(self.model)
+        check_eval_mode(self.model)  # per request: a target wrapped once may be switched to training later
         check_placeholders_have_pixels(self.model, input_ids, model_inputs)
         return super().prefill(input_ids, attention_mask, model_inputs, *args, **kwargs)
 
