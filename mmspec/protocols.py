@@ -157,6 +157,11 @@ def is_target(obj) -> bool:
     return not _missing(obj, _TARGET_REQUIRED)
 
 
+def implements_drafter(obj) -> bool:
+    """Whether `obj` has every member of the Drafter protocol (a cheap check, no values read)."""
+    return not _missing(obj, _DRAFTER_REQUIRED)
+
+
 def check_target(target) -> None:
     missing = _missing(target, _TARGET_REQUIRED)
     if missing:

@@ -50,6 +50,7 @@ from mmspec.models.llamagen_gpt import LlamaGenGPT
 from mmspec.models.llamagen_sample import CFG_SCHEDULES
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
+from mmspec.protocols import implements_drafter
 from mmspec.stats import SpecStats
 
 
@@ -190,7 +191,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         elif isinstance(d, JacobiDrafter) and d.vocab_size not in (None, V):
             raise ValueError(f"drafter/target codebook mismatch: JacobiDrafter(vocab_size={d.vocab_size}), target {V}")
         elif d is not None and not isinstance(d, JacobiDrafter):
-            if not all(hasattr(d, n) for n in ("prefill", "propose", "commit", "select_rows", "vocab_size")):
+            if not implements_drafter(d):
                 raise ValueError(f"drafter must be a LlamaGenGPT, a JacobiDrafter or an mmspec Drafter, got "
                                  f"{type(d).__name__}")
             if d.vocab_size != V:
@@ -222,8 +223,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     def __setattr__(self, name, value):
         # diffusers registers a component on assignment and fails on a value that is not an object
         # of a class (`pipe.drafter = "jacobi"`: AttributeError '__module__'): name what fits instead
-        if name == "drafter" and value is not None and not isinstance(value, (LlamaGenGPT, JacobiDrafter)) and not all(
-                hasattr(value, n) for n in ("prefill", "propose", "commit", "select_rows", "vocab_size")):
+        if (name == "drafter" and value is not None and not isinstance(value, (LlamaGenGPT, JacobiDrafter))
+                and not implements_drafter(value)):
             raise TypeError(f"drafter must be None, a LlamaGenGPT, a JacobiDrafter or an mmspec Drafter, got "
                             f"{type(value).__name__}")
         super().__setattr__(name, value)
