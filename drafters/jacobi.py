@@ -33,6 +33,16 @@ recycled logits (Jacobi decoding proper), no draft probabilities.
 window's last recycled distribution, q = that distribution; uniform when there is none).
 `vocab_size` is set by the pipeline (or pass it): the loop checks it against the target's.
 
+`window="auto"` (the default; up to `max_window`, 16 by default) chooses the window by measurement: each
+request runs one of a few windows (0 = plain decoding, 2, 4, 8, ..., max_window) and the
+emitted tokens per second of whole requests decide which one runs next
+(`mmspec.adaptive_window.WindowBandit`; why per request and not per step: its docstring). A
+wide window needs fewer forwards but each costs more (on a CPU a 17-token verify of the testbed
+generator costs ~2x a one-token forward, on a GPU nearly the same), so the best window differs
+from machine to machine and batch size to batch size. The choice depends on finished requests
+only, so verification stays exact. The bandit lives on the drafter: keep one drafter
+(`pipe.drafter`) across calls and it keeps what it learned (per batch size).
+
 Limits: chains only (a window is one chain); no drafter forward (`draft_calls` stays 0); the
 window shrinks near the end of the sequence so no draft runs past `max_new_tokens`.
 """
@@ -43,6 +53,7 @@ from typing import Any
 
 import torch
 
+from mmspec.adaptive_window import WindowBandit
 from mmspec.sampling import SamplingConfig, draw, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput
@@ -56,30 +67,52 @@ class JacobiDrafter:
 
     features = FeatureRequest()  # logits only
 
-    def __init__(self, window: int = 16, coupling: str | None = "maximal", init: str = "random", *,
-                 vocab_size: int | None = None):
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+    def __init__(self, window: int | str = "auto", coupling: str | None = "maximal", init: str = "random", *,
+                 max_window: int | None = None, vocab_size: int | None = None):
+        self.adaptive = window == "auto"
+        if self.adaptive:
+            if max_window is None:
+                max_window = 16
+            if not isinstance(max_window, int) or isinstance(max_window, bool) or max_window < 1:
+                raise ValueError(f"max_window must be an int >= 1, got {max_window!r}")
+        elif max_window is not None:
+            raise ValueError(f"max_window={max_window!r} only applies to window='auto'; with window={window!r} "
+                             "the window is fixed")
+        elif not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be an int >= 1 or 'auto', got {window!r}")
         if coupling not in COUPLINGS:
             raise ValueError(f"coupling={coupling!r}: must be one of {COUPLINGS}")
         if init not in INITS:
             raise ValueError(f"init={init!r}: must be one of {INITS}")
-        self.window = window
+        self.window = window  # an int, or "auto"
+        self.max_window = max_window if self.adaptive else window
         self.coupling = coupling
         self.init = init
         self.vocab_size = vocab_size
-        self.max_draft_nodes = window
+        self.max_draft_nodes = self.max_window  # slots of state; the target's cache is sized for them
+        self.k = self.max_window  # positions sent to the target this step (set by the loop when adaptive)
+        self.controller = WindowBandit(self.max_window) if self.adaptive else None
         self.draft_calls = 0
 
     def __repr__(self) -> str:
-        return f"JacobiDrafter(window={self.window}, coupling={self.coupling!r}, init={self.init!r})"
+        window = f"'auto', max_window={self.max_window}" if self.adaptive else self.window
+        return f"JacobiDrafter(window={window}, coupling={self.coupling!r}, init={self.init!r})"
+
+    def set_draft_length(self, k: int) -> None:
+        """The loop's choice of how many window positions to verify next step (window="auto": the
+        request's window from the bandit)."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_window:
+            raise ValueError(f"draft length must be an int in 0..{self.max_window}, got {k!r}")
+        self.k = k
 
     # ---- protocol --------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, target_out: TargetOutput, model_inputs: dict[str, Any],
                 max_new_tokens: int) -> None:
         if self.vocab_size is None:
             raise ValueError("JacobiDrafter.vocab_size is not set: pass vocab_size= (the target's vocabulary size)")
-        B, W, V = input_ids.shape[0], self.window, self.vocab_size
+        if self.controller is not None:
+            self.controller.begin_request()  # the last request's rate is in: pick this one's window
+        B, W, V = input_ids.shape[0], self.max_window, self.vocab_size
         device = input_ids.device
         dtype = target_out.logits.dtype
         self.logits = torch.zeros(B, W, V, dtype=dtype, device=device)  # recycled logits per window slot
@@ -98,7 +131,7 @@ class JacobiDrafter:
     def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
         B, V = roots.shape[0], self.vocab_size
         device = roots.device
-        N = max(0, min(self.window, max(self.remaining, default=0) - 1))
+        N = max(0, min(self.k, max(self.remaining, default=0) - 1))
         if N == 0:
             self._drafted = (roots.new_zeros(B, 0), None)
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
@@ -129,7 +162,7 @@ class JacobiDrafter:
     def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
         tokens, q = self._drafted
         B, N = tokens.shape
-        W = self.window
+        W = self.max_window
         device = tokens.device
         n = info.num_accepted
         src = n.unsqueeze(1) + 1 + torch.arange(W, device=device).unsqueeze(0)  # [B, W]: old index of new slot k

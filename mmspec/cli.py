@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 
-from mmspec.cli_types import positive_int
+from mmspec.cli_types import positive_int, window_arg
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-images", type=int, default=1, help="images per class")
     p.add_argument("--acceptance", default=None, help="rule name: exact (default), lantern, gsd, ...; MAR: continuous")
     p.add_argument("--drafter", choices=("jacobi", "model"), default=None, help="default: the pipeline's")
-    p.add_argument("--window", type=positive_int, default=None, help="Jacobi window (with --drafter jacobi; default 16)")
+    p.add_argument("--window", type=window_arg, default=None,
+                   help="Jacobi window, an int or 'auto' (chosen by measurement; with --drafter jacobi; default auto)")
     p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default=None, help="default maximal")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the generator's own")
     p.add_argument("--temperature", type=float, default=None,

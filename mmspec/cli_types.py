@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 
 
+def window_arg(text: str) -> int | str:
+    """A Jacobi window: "auto" (chosen by measurement) or an int >= 1."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def positive_int(text: str) -> int:
     """An int >= 1 (e.g. --threads: torch would fail later with "set_num_threads expects a positive
     integer", and 0 read as "not given" would silently keep torch's default)."""

@@ -55,7 +55,13 @@ from mmspec.stats import SpecStats
 
 
 DEFAULT_DRAFTER_CONFIG = {"kind": "model", "num_draft_tokens": 4, "tree": None, "window": 16,
-                          "coupling": "maximal", "init": "random"}
+                          "coupling": "maximal", "init": "random", "max_window": None}
+
+
+def jacobi_from_config(settings: dict) -> JacobiDrafter:
+    """The JacobiDrafter a drafter_config describes (window an int, or "auto" with max_window)."""
+    full = {**DEFAULT_DRAFTER_CONFIG, **settings}
+    return JacobiDrafter(full["window"], full["coupling"], full["init"], max_window=full["max_window"])
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
@@ -152,7 +158,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError(f"vq must be a LlamaGenVQModel (wrap a LlamaGenVQ with LlamaGenVQModel.from_vq), got "
                              f"{type(vq).__name__}")
         if drafter is None and settings["kind"] == "jacobi":
-            drafter = JacobiDrafter(settings["window"], settings["coupling"], settings["init"])
+            drafter = jacobi_from_config(settings)
         self.register_modules(target=target, vq=vq, drafter=drafter)
         self.register_to_config(drafter_config=settings)
         # Linear kernels of the target and of a GPT drafter (mmspec/models/prepack.py): "auto"
@@ -204,7 +210,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         d = self.drafter
         settings = self.config.drafter_config
         if d is None:
-            d = JacobiDrafter(settings["window"], settings["coupling"], settings["init"])
+            # One drafter per settings, kept across calls: a window="auto" drafter learns across them.
+            key = json.dumps({k: settings.get(k) for k in ("window", "coupling", "init", "max_window")}, sort_keys=True)
+            cached = getattr(self, "_config_jacobi", None)
+            if cached is None or cached[0] != key:
+                self._config_jacobi = cached = (key, jacobi_from_config(settings))
+            d = cached[1]
         if isinstance(d, JacobiDrafter):
             if d.vocab_size is None:
                 d.vocab_size = V
@@ -236,7 +247,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         settings = dict(self.config.drafter_config)
         d = self.drafter
         if isinstance(d, JacobiDrafter):
-            settings.update(kind="jacobi", window=d.window, coupling=d.coupling, init=d.init)
+            settings.update(kind="jacobi", window=d.window, coupling=d.coupling, init=d.init,
+                            max_window=d.max_window if d.adaptive else None)
         elif isinstance(d, LlamaGenGPT):
             settings["kind"] = "model"
         elif d is not None:  # the saved folder would silently draft with something else
@@ -292,8 +304,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if settings.get("kind") == "jacobi" and drafter is not None:
             # The folder's default drafter is Jacobi (the best one measured); its drafter GPT
             # stays at hand for `pipe.drafter = pipe.drafter_model`.
-            full = {**DEFAULT_DRAFTER_CONFIG, **settings}
-            drafter = JacobiDrafter(full["window"], full["coupling"], full["init"])
+            drafter = jacobi_from_config(settings)
         pipe = cls(target=target, vq=vq, drafter=drafter, drafter_config=settings)
         pipe.drafter_model = drafter_model
         return pipe

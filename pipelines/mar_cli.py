@@ -32,7 +32,7 @@ MAR_ONLY = {"num_iter": "--num-iter", "cfg_schedule": "--cfg-schedule", "num_dra
             "prefill_fraction": "--prefill-fraction"}
 # generate options that only discrete (SpeculativeARImagePipeline) folders take
 DISCRETE_ONLY = {"window": "--window", "coupling": "--coupling", "top_k": "--top-k"}
-DISCRETE_DEFAULTS = {"acceptance": "exact", "window": 16, "coupling": "maximal"}
+DISCRETE_DEFAULTS = {"acceptance": "exact", "window": "auto", "coupling": "maximal"}
 
 
 def is_mar_folder(path) -> bool:

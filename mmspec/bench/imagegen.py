@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.adaptive import summarize
 from mmspec.devices import check_device, device_name
 from mmspec.models.llamagen_spec import llamagen_target
 from mmspec.testbed.judge_model import JUDGE_DIR
@@ -85,12 +86,17 @@ METHODS = {
     "exact/jacobi-uncoupled": ("jacobi", None, "exact"),
     "lantern/model": ("model", None, "lantern"),
     "lantern/jacobi-maximal": ("jacobi", "maximal", "lantern"),
+    "lantern/jacobi-gumbel": ("jacobi", "gumbel", "lantern"),
     "gsd/model": ("model", None, "gsd"),
     "gsd/jacobi-maximal": ("jacobi", "maximal", "gsd"),
 }
 # Also run by default: Jacobi methods with a fixed window ("@W" overrides the per-batch window),
 # so that the window is chosen from measurements of the same run.
-WINDOW_METHODS = ("exact/jacobi-maximal@8", "exact/jacobi-gumbel@8", "gsd/jacobi-maximal@8")
+# "@auto": the window chosen before every step by the adaptive controller (JacobiDrafter(window=
+# "auto"), up to 16 or the batch's window if larger); one drafter per method for the whole run, as a user keeps
+# `pipe.drafter` across calls, so what it learns in the warm-up round carries over.
+WINDOW_METHODS = ("exact/jacobi-maximal@8", "exact/jacobi-gumbel@8", "gsd/jacobi-maximal@8",
+                  "exact/jacobi-gumbel@auto", "lantern/jacobi-maximal@auto", "lantern/jacobi-gumbel@auto")
 # A method name ending in STOCK runs on stock linear kernels (`pipe.prepack = False`); the others on
 # the kernels measured faster on this machine per row count (`"auto"`, the pipeline's default):
 # these rows show what the measured choice gains, and that it never loses.
@@ -98,17 +104,19 @@ STOCK = " [stock]"
 STOCK_METHODS = ("plain" + STOCK, "exact/jacobi-maximal" + STOCK)
 
 
-def method_spec(name: str) -> tuple[str, str | None, str, int | None]:
-    """"exact/jacobi-maximal@8" -> ("jacobi", "maximal", "exact", 8); no "@W": window None; a
-    trailing " [stock]" (stock kernels) does not change the spec."""
+def method_spec(name: str) -> tuple[str, str | None, str, int | str | None]:
+    """"exact/jacobi-maximal@8" -> ("jacobi", "maximal", "exact", 8); "@auto" -> window "auto";
+    no "@W": window None; a trailing " [stock]" (stock kernels) does not change the spec."""
     base, _, window = name.removesuffix(STOCK).partition("@")
     if base not in METHODS:
-        raise ValueError(f"unknown method {name!r}; known: {list(METHODS)} (Jacobi ones may end in @WINDOW)")
+        raise ValueError(f"unknown method {name!r}; known: {list(METHODS)} (Jacobi ones may end in @WINDOW or @auto)")
     kind, coupling, acceptance = METHODS[base]
     if not window:
         return kind, coupling, acceptance, None
+    if kind == "jacobi" and window == "auto":
+        return kind, coupling, acceptance, "auto"
     if kind != "jacobi" or not window.isdigit() or int(window) < 1:
-        raise ValueError(f"method {name!r}: only Jacobi methods take @WINDOW, a positive int")
+        raise ValueError(f"method {name!r}: only Jacobi methods take @WINDOW (a positive int) or @auto")
     return kind, coupling, acceptance, int(window)
 
 
@@ -129,7 +137,11 @@ def default_guidance(model: str) -> float:
     return 4.0
 
 
-def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window: int | None = None) -> None:
+_AUTO_DRAFTERS: dict = {}  # (pipeline id, method) -> the JacobiDrafter(window="auto") kept for the run
+
+
+def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window: int | str | None = None,
+                 method: str | None = None) -> None:
     from mmspec.drafters import JacobiDrafter
 
     settings = dict(pipe.config.drafter_config)
@@ -138,6 +150,11 @@ def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window:
             raise ValueError("this pipeline has no drafter model; run the jacobi methods only (--methods)")
         pipe.drafter = gpt_drafter
         settings["num_draft_tokens"] = K
+    elif kind == "jacobi" and window == "auto":
+        key = (id(pipe), method)
+        if key not in _AUTO_DRAFTERS:
+            _AUTO_DRAFTERS[key] = JacobiDrafter("auto", coupling, max_window=max(W, 16))
+        pipe.drafter = _AUTO_DRAFTERS[key]
     elif kind == "jacobi":
         pipe.drafter = JacobiDrafter(window or W, coupling)
     pipe.register_to_config(drafter_config=settings)
@@ -146,7 +163,7 @@ def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window:
 def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConfig, scale: float, seed: int) -> dict:
     kind, _, acceptance, _ = method_spec(method)
     gen = torch.Generator().manual_seed(seed)
-    forwards, emitted, row_steps, calls, tokens = 0.0, 0, 0, 0, []
+    forwards, emitted, row_steps, calls, tokens, widths = 0.0, 0, 0, 0, [], []
     t0 = time.perf_counter()
     for i in range(0, len(labels), B):
         out = pipe(labels[i:i + B], guidance_scale=scale, temperature=cfg.temperature, top_k=cfg.top_k,
@@ -156,12 +173,14 @@ def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConf
         emitted += s.emitted_tokens
         row_steps += s.row_steps
         calls += s.target_calls + s.prefill_calls
+        widths += list(getattr(s, "nodes_per_step", []))
         tokens.append(out.tokens)
     if tokens[-1].is_cuda:
         torch.cuda.synchronize(tokens[-1].device)  # the host clock times the device's work
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "forwards_per_image": forwards / len(labels), "batch_forwards": calls,
-            "mean_accepted_length": emitted / row_steps if row_steps else 1.0, "tokens": torch.cat(tokens)}
+            "mean_accepted_length": emitted / row_steps if row_steps else 1.0, "tokens": torch.cat(tokens),
+            "drafted_per_step": widths}
 
 
 @torch.no_grad()
@@ -200,7 +219,7 @@ def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str],
         kind, coupling, acceptance, window = method_spec(method)
         # The settings of the first batch size's speed rows (an "@W" window overrides it).
         _set_drafter(pipe, _drafter_model(pipe), kind, coupling, cfg.per_batch("draft_tokens", 0),
-                     cfg.per_batch("window", 0), window)
+                     cfg.per_batch("window", 0), window, method=method)
         gen = torch.Generator().manual_seed(cfg.seed + 7)
         pixels = []
         for i in range(0, len(labels), 32):
@@ -254,7 +273,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
             shift = r % len(methods)
             for m in methods[shift:] + methods[:shift]:
                 kind, coupling, _, window = method_spec(m)
-                _set_drafter(pipe, gpt_drafter, kind, coupling, K, W, window)
+                _set_drafter(pipe, gpt_drafter, kind, coupling, K, W, window, method=m)
                 pipe.prepack = False if m.endswith(STOCK) else "auto"
                 res = run_method(pipe, labels, B, m, cfg, scale, cfg.seed + r)
                 if r > 0:
@@ -274,6 +293,8 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
                 "lossless": method_spec(m)[2] == "exact",
                 "window": (method_spec(m)[3] or W) if method_spec(m)[0] == "jacobi" else None,
             }
+            if method_spec(m)[3] == "auto":  # the windows the controller chose over the timed rounds
+                rows[m]["windows_chosen"] = summarize([k for x in runs[m] for k in x["drafted_per_step"]])
         entry["methods"] = rows
         report["batches"].append(entry)
         # Each batch size's figures as soon as they exist (a run cut short by a time limit keeps them).
@@ -302,6 +323,9 @@ def format_table(report: dict) -> str:
         for name, r in e["methods"].items():
             lines.append(f"{name:<26}{r['forwards_per_image']:>10.2f}{r['batch_forwards']:>7.0f}{r['mean_accepted_length']:>9.2f}"
                          f"{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x  {'yes' if r['lossless'] else 'no'}")
+        for name, r in e["methods"].items():
+            if r.get("windows_chosen"):
+                lines.append(f"  {name}: windows chosen (window: steps) {r['windows_chosen']}")
     if "judge" in report:
         lines.append("\njudge (class accuracy, Frechet):")
         for name, s in report["judge"].items():
@@ -335,7 +359,7 @@ def demo(model: str, out_dir: str, progress=lambda m: None, threads: int = 2) ->
     for m in methods:
         kind, coupling, acceptance, window = method_spec(m)
         _set_drafter(pipe, gpt_drafter, kind, coupling, cfg.per_batch("draft_tokens", 1), cfg.per_batch("window", 1),
-                     window)
+                     window, method=m)
         out = pipe(labels, guidance_scale=scale, acceptance=acceptance, speculative=kind != "plain",
                    generator=torch.Generator().manual_seed(cfg.seed))
         rows.append((m, out.images))
