@@ -162,6 +162,15 @@ class JacobiDrafter:
     def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
         tokens, q = self._drafted
         B, N = tokens.shape
+        if N == 0:
+            # A plain step (window 0, or the end of the sequence): nothing was drafted, so nothing
+            # is recycled; each slot's noise is dropped too (fresh noise is as good, and no gather).
+            self.have_logits = torch.zeros_like(self.have_logits)
+            self.prev_valid = torch.zeros_like(self.prev_valid)
+            self.prev_q = None
+            self.noise_valid = torch.zeros_like(self.noise_valid)
+            self.remaining = [r - a - 1 for r, a in zip(self.remaining, info.num_accepted_list)]
+            return
         W = self.max_window
         device = tokens.device
         n = info.num_accepted

@@ -14,24 +14,31 @@ where a fixed window of 16 ran 1.68x, and with exact acceptance it switched spec
 
 So the window is chosen from measured throughput, not from a model of it: each candidate
 window (0 = plain decoding, then 2, 4, 8, ... up to the largest window) is an arm; a request
-runs one arm throughout, and an arm's rate is the tokens its requests emitted per second of step
-time (drafting and verification, host clock; the prefill is left out, it is the same for every
-arm), as a ratio of sums over its recent requests. Switching windows inside a request was tried
-and lost: after a switch to a wider window its far slots hold no recycled drafts, and Jacobi
-iteration needs several steps to rebuild them, so blocks of 6 steps measured window 16 at a
-fifth of the rate it reaches over whole requests. Requests differ in content (one class label
-is easier to draft than another), which the ratio of sums over several requests evens out.
-Rates are kept per batch size (the request's batch at its first step); the very first request
-(cold caches, first calls of new shapes) teaches nothing.
+runs one arm throughout and yields its emitted tokens per second of step time (drafting and
+verification, host clock; the prefill is left out, it is the same for every arm). Switching
+windows inside a request was tried and lost: after a switch to a wider window its far slots
+hold no recycled drafts, and Jacobi iteration needs several steps to rebuild them, so blocks of
+6 steps measured window 16 at a fifth of the rate it reaches over whole requests.
 
-- Warm-up: `warmup` passes over the arms, a request each, the largest window first (round
-  robin, so that no arm is judged on one slow start alone).
-- Then the arm with the best rate runs, and every `gap` requests one challenger runs instead:
-  every other challenge an arm whose rate is within `margin` of the best (if any), the others
-  any arm, the least recently measured first. A challenge that leaves the best arm as it was doubles the gap (up to
-  `max_gap`); one that changes it resets the gap, and so does the best arm falling behind
-  another by its own new requests, so a change of speed is still followed.
-  Rates forget old requests (`memory` requests per arm).
+Two kinds of noise, both measured on a 2-core VM: requests differ in content (one class label
+is easier to draft than another: +-15% from one request to the next), and the machine's speed
+drifts (the same plain decoding ran 6.0 to 7.2 images/s from one run to the next, minutes
+apart). Comparing each arm's average rate, measured whenever it last ran, let the drift decide:
+an arm measured during a slow minute stayed ranked low. So rates are compared *paired*: the
+arm that runs most (the best) tracks the machine's current speed, `drift` (a running mean of
+its log rate, over `memory` requests), and a challenger is scored by its log rate less the
+drift at the time it ran; the best arm's own score moves only when it is challenged from
+below. Scores are per batch size (the request's batch at its first step); the first request
+of a run (cold caches, first calls of new shapes) teaches nothing.
+
+- Warm-up: a pass over the arms, a request each, the largest window first, then `warmup - 1`
+  more passes over the arms within 2 * `margin` of the best (round robin, so that no arm is
+  judged on one slow start alone); its raw rates give the first scores.
+- Then the best-scored arm runs, and every `gap` requests one challenger runs instead: in turn,
+  an arm scored within `margin` of the best (when there is one) and any arm, the least recently
+  measured first (one measured slow may have sped up). A challenge that leaves the best arm as
+  it was doubles the gap (up to `max_gap`); one that changes it resets the gap. A challenger's
+  new score weighs half against its old one, so one request can correct a stale score.
 - K = 0 (plain decoding) is always an arm, so a window that cannot pay is switched off.
 
 The choice depends on finished requests only (timings and token counts), so the loop's
@@ -40,6 +47,8 @@ shortens the window near the end of the sequence.
 """
 
 from __future__ import annotations
+
+import math
 
 
 def candidate_windows(max_window: int) -> list[int]:
@@ -51,14 +60,28 @@ def candidate_windows(max_window: int) -> list[int]:
     return sorted(arms)
 
 
-class WindowBandit:
-    """Per-request choice of a Jacobi window from measured throughput (see the module
-    docstring). Used by the loop through the controller interface: `choose(batch, remaining)`
-    before each step (the request's arm), `observe(batch, k, accepted, draft_seconds,
-    verify_seconds)` after it; the drafter calls `begin_request()` at each prefill."""
+class _Batch:
+    """What the bandit knows at one batch size."""
 
-    def __init__(self, max_window: int, *, arms: list[int] | None = None, warmup: int = 2, memory: int = 6,
-                 gap: int = 4, max_gap: int = 32, margin: float = 0.15, skip_first: bool = True):
+    def __init__(self):
+        self.raw: dict[int, list[float]] = {}  # warm-up: arm -> [tokens, seconds]
+        self.runs: dict[int, int] = {}  # arm -> requests recorded
+        self.score: dict[int, float] = {}  # arm -> log rate less the drift (after the warm-up)
+        self.drift = 0.0  # the best arm's recent log rate less its score
+        self.last: dict[int, int] = {}  # arm -> index of its last recorded request
+        self.gap = 0
+        self.since = 0  # requests since the last challenge
+        self.turn = 0  # challenges so far
+
+
+class WindowBandit:
+    """Per-request choice of a Jacobi window from paired throughput measurements (see the
+    module docstring). Used by the loop through the controller interface: `choose(batch,
+    remaining)` before each step (the request's arm), `observe(batch, k, accepted,
+    draft_seconds, verify_seconds)` after it; the drafter calls `begin_request()` at each prefill."""
+
+    def __init__(self, max_window: int, *, arms: list[int] | None = None, warmup: int = 2, memory: int = 4,
+                 gap: int = 4, max_gap: int = 16, margin: float = 0.15, skip_first: bool = True):
         if isinstance(max_window, bool) or not isinstance(max_window, int) or max_window < 1:
             raise ValueError(f"max_window must be an int >= 1, got {max_window!r}")
         self.arms = sorted(set(arms)) if arms is not None else candidate_windows(max_window)
@@ -72,12 +95,7 @@ class WindowBandit:
             raise ValueError(f"margin must be in [0, 1), got {margin!r}")
         self.k_max = max_window
         self.warmup, self.memory, self.base_gap, self.max_gap, self.margin = warmup, memory, gap, max_gap, float(margin)
-        self.sums: dict[int, dict[int, list[float]]] = {}  # batch -> arm -> [tokens, seconds] (discounted)
-        self.runs: dict[int, dict[int, int]] = {}  # batch -> arm -> requests recorded
-        self.gaps: dict[int, int] = {}  # batch -> requests between challenges
-        self.since: dict[int, int] = {}  # batch -> requests since the last challenge
-        self.turn: dict[int, int] = {}  # batch -> challenges so far (whose turn it is)
-        self.last_run: dict[int, dict[int, int]] = {}  # batch -> arm -> index of its last recorded request
+        self.batches: dict[int, _Batch] = {}
         self.history: list[int] = []  # the window chosen for every step
         self.requests: list[tuple[int, int]] = []  # (batch, arm) of every request
         self._skip = skip_first
@@ -87,10 +105,22 @@ class WindowBandit:
         self._tokens = 0
         self._seconds = 0.0
 
+    def _state(self, batch: int) -> _Batch:
+        if batch not in self.batches:
+            self.batches[batch] = _Batch()
+            self.batches[batch].gap = self.base_gap
+        return self.batches[batch]
+
     # ---- estimates -------------------------------------------------------------------------
     def rate(self, batch: int, arm: int) -> float | None:
-        """Emitted tokens per second of step time over the arm's recent requests at this batch size."""
-        tok, sec = self.sums.get(batch, {}).get(arm, (0.0, 0.0))
+        """Emitted tokens per second of step time the arm is expected to reach now at this batch
+        size (its score plus the current drift; during the warm-up its raw rate so far)."""
+        st = self.batches.get(batch)
+        if st is None:
+            return None
+        if st.score:
+            return math.exp(st.score[arm] + st.drift) if arm in st.score else None
+        tok, sec = st.raw.get(arm, (0.0, 0.0))
         return tok / sec if sec > 0 else None
 
     def best(self, batch: int) -> int | None:
@@ -105,45 +135,66 @@ class WindowBandit:
             if self._skip:
                 self._skip = False  # the first request of a run: cold, not recorded
             else:
-                b, arm = self._batch, self._arm
-                s = self.sums.setdefault(b, {}).setdefault(arm, [0.0, 0.0])
-                keep = 1.0 - 1.0 / self.memory
-                s[0] = s[0] * keep + self._tokens
-                s[1] = s[1] * keep + self._seconds
-                runs = self.runs.setdefault(b, {})
-                runs[arm] = runs.get(arm, 0) + 1
-                self.last_run.setdefault(b, {})[arm] = len(self.requests)
-                if self._challenge is not None:
-                    changed = self.best(b) != self._challenge
-                    self.gaps[b] = self.base_gap if changed else min(2 * self.gaps.get(b, self.base_gap), self.max_gap)
-                elif self.best(b) != arm and sum(runs.values()) > self.warmup * len(self.arms):
-                    # the best window itself slowed down below another: speeds changed, look again soon
-                    self.gaps[b] = self.base_gap
-                    self.since[b] = 0
+                self._record(self._state(self._batch), self._arm, self._tokens, self._seconds)
         self._challenge = None
         self._arm, self._tokens, self._seconds = None, 0, 0.0
 
-    def _pick(self, batch: int) -> int:
-        runs = self.runs.get(batch, {})
+    def _record(self, st: _Batch, arm: int, tokens: float, seconds: float) -> None:
+        st.runs[arm] = st.runs.get(arm, 0) + 1
+        st.last[arm] = len(self.requests)
+        x = math.log(tokens / seconds)
+        if not st.score:  # warm-up: raw sums
+            raw = st.raw.setdefault(arm, [0.0, 0.0])
+            raw[0] += tokens
+            raw[1] += seconds
+            return
+        before = self.best(self._batch)
+        if arm == before:  # the best arm tracks the machine's speed
+            st.drift += (x - st.score[arm] - st.drift) / self.memory
+        else:  # a challenger, scored against the speed of the moment
+            new = x - st.drift
+            st.score[arm] = new if arm not in st.score else 0.5 * (st.score[arm] + new)
+        if self._challenge is not None:
+            changed = self.best(self._batch) != self._challenge
+            st.gap = self.base_gap if changed else min(2 * st.gap, self.max_gap)
+
+    def _warmup_pick(self, st: _Batch) -> int | None:
         order = sorted(self.arms, reverse=True)  # the largest window first
-        for pass_ in range(self.warmup):
+        for arm in order:  # first pass
+            if st.runs.get(arm, 0) < 1:
+                return arm
+        rates = {a: st.raw[a][0] / st.raw[a][1] for a in self.arms if a in st.raw and st.raw[a][1] > 0}
+        top = max(rates.values()) if rates else 0.0
+        for pass_ in range(1, self.warmup):  # later passes: the arms still in the running
             for arm in order:
-                if runs.get(arm, 0) <= pass_:
+                if st.runs.get(arm, 0) <= pass_ and rates.get(arm, 0.0) >= (1 - 2 * self.margin) * top:
                     return arm
+        # warm-up done: the raw rates become the first scores (drift 0)
+        st.score = {a: math.log(r) for a, r in rates.items() if r > 0}
+        st.drift = 0.0
+        return None
+
+    def _pick(self, batch: int) -> int:
+        st = self._state(batch)
+        if not st.score:
+            arm = self._warmup_pick(st)
+            if arm is not None:
+                return arm
+            if not st.score:  # no request gave a rate (e.g. every one emitted nothing): keep the widest
+                return max(self.arms)
         best = self.best(batch)
-        self.since[batch] = self.since.get(batch, 0) + 1
-        if self.since[batch] < self.gaps.get(batch, self.base_gap):
+        st.since += 1
+        if st.since < st.gap:
             return best
-        self.since[batch] = 0
-        top = self.rate(batch, best)
+        st.since = 0
         # the least recently measured first: every arm is measured again within a few challenges
-        last = self.last_run.get(batch, {})
-        others = sorted((a for a in self.arms if a != best), key=lambda a: last.get(a, -1))
+        others = sorted((a for a in self.arms if a != best), key=lambda a: st.last.get(a, -1))
         if not others:
             return best
-        close = [a for a in others if self.rate(batch, a) >= (1 - self.margin) * top]
-        turn = self.turn.get(batch, 0)
-        self.turn[batch] = turn + 1
+        top = st.score[best]
+        close = [a for a in others if st.score.get(a, -math.inf) >= top + math.log(1 - self.margin)]
+        turn = st.turn
+        st.turn += 1
         self._challenge = best
         return close[0] if close and turn % 2 == 0 else others[0]
 
