@@ -123,6 +123,11 @@ class WindowBandit:
         tok, sec = st.raw.get(arm, (0.0, 0.0))
         return tok / sec if sec > 0 else None
 
+    def warmed_up(self, batch: int) -> bool:
+        """Whether the warm-up at this batch size is over (every window has a score)."""
+        st = self.batches.get(batch)
+        return st is not None and bool(st.score)
+
     def best(self, batch: int) -> int | None:
         known = {a: self.rate(batch, a) for a in self.arms}
         known = {a: r for a, r in known.items() if r is not None}

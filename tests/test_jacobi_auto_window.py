@@ -47,6 +47,7 @@ def test_bandit_finds_the_fastest_window_and_spaces_its_challenges():
     # warm-up: the skipped cold request (16), a pass over the arms, widest first, and a second
     # pass over those within 30% of the best (not 2 and 0)
     assert arms[:10] == [16, 16, 8, 4, 2, 0, 16, 8, 4, 8]
+    assert bandit.warmed_up(1) and not bandit.warmed_up(8) and not WindowBandit(16).warmed_up(1)
     late = arms[100:]
     assert late.count(8) >= 90  # exploitation
     assert 0 < sum(a != 8 for a in late) <= 8  # challenges continue, at the doubled gap
