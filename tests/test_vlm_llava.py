@@ -83,6 +83,18 @@ def test_image_placeholders_without_pixels_are_refused(llava):
     mmspec.speculative_generate(model, ModelDrafter(_text_only(model), 2), text_only, temperature=0, max_new_tokens=4)
 
 
+def test_image_sizes_for_a_clip_tower_llava_are_refused(llava):
+    """transformers' own generate fails deep in the CLIP tower ('no attribute patch_size')."""
+    model, _ = llava
+    ids = torch.tensor([[5, IMG, IMG, IMG, IMG, 7, 9]])
+    pixels = torch.zeros(1, 3, 16, 16, dtype=torch.float64)
+    with pytest.raises(AttributeError, match="patch_size"):
+        model.generate(ids, pixel_values=pixels, image_sizes=torch.tensor([[16, 16]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="image_sizes was given to a LLaVA with a CLIPVisionModel vision tower"):
+        mmspec.speculative_generate(model, ModelDrafter(_text_only(model), 2), ids, temperature=0, max_new_tokens=4,
+                                    pixel_values=pixels, image_sizes=torch.tensor([[16, 16]]))
+
+
 # ---- batch of 4, chains and trees, row by row; LLaVA-NeXT (image_sizes); image features ------------
 from _vlm_helpers import assert_rows_equal, left_pad  # noqa: E402
 

@@ -83,6 +83,22 @@ def check_placeholders_have_pixels(model, input_ids, model_inputs: dict) -> None
             )
 
 
+def check_image_sizes(model, model_inputs: dict) -> None:
+    """`image_sizes` given to a LLaVA whose vision tower is CLIP-like (LLaVA-1.5): its forward takes
+    the argument (Pixtral-style towers use it), but the CLIP tower fails deep inside with "object
+    has no attribute 'patch_size'", in transformers' `generate` too. Refused by name: LLaVA-1.5's
+    processor never produces it (LLaVA-NeXT's does, for its own model class)."""
+    if model_inputs.get("image_sizes") is None or model_type_of(model) != "llava":
+        return
+    tower = getattr(getattr(model, "model", model), "vision_tower", None)
+    if tower is not None and not hasattr(tower, "patch_size"):
+        raise ValueError(
+            f"image_sizes was given to a LLaVA with a {type(tower).__name__} vision tower, which does not take it "
+            "(LLaVA-1.5's processor does not produce it; LLaVA-NeXT's inputs belong to "
+            "LlavaNextForConditionalGeneration); drop image_sizes"
+        )
+
+
 def prepack_for_compile(prepack, compile):
     """The prepack choice under `compile`: "auto" -> False, True refused."""
     if compile is None or compile is False:
@@ -124,6 +140,7 @@ class HFTarget(SpecTarget):
     def prefill(self, input_ids, attention_mask, model_inputs, *args, **kwargs):
         check_eval_mode(self.model)  # per request: a target wrapped once may be switched to training later
         check_placeholders_have_pixels(self.model, input_ids, model_inputs)
+        check_image_sizes(self.model, model_inputs)
         return super().prefill(input_ids, attention_mask, model_inputs, *args, **kwargs)
 
     def acceptance_tables(self) -> dict:
