@@ -108,7 +108,7 @@ def cmd_generate(args) -> int:
     from mmspec.models.llamagen_gpt import LlamaGenGPT
 
     model = args.model or DEFAULT_MODEL
-    from mmspec.devices import check_device
+    from mmspec.devices import check_device, move_pipeline
     from mmspec.pipelines.mar_cli import check_discrete_options, cmd_generate_mar, is_mar_folder
 
     try:
@@ -123,8 +123,7 @@ def cmd_generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     pipe = load_pipeline(model)
-    if torch.device(args.device).type != "cpu":  # the seeds' generators stay on the CPU (diffusers' convention)
-        pipe.to(args.device)
+    move_pipeline(pipe, args.device)
     pipe.set_progress_bar_config(disable=args.json)
     if args.drafter == "jacobi":
         pipe.drafter = JacobiDrafter(args.window, None if args.coupling == "none" else args.coupling)

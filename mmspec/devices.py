@@ -29,3 +29,14 @@ def check_device(device, what: str = "device", allowed: tuple[str, ...] = ("cpu"
             raise ValueError(f"{what}={device!r} asked for but torch sees no CUDA device; use cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"{what}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def move_pipeline(pipe, device):
+    """Move a pipeline the CLIs loaded (on the CPU) to `device` (checked before loading); the
+    seeds' generators stay on the CPU (diffusers' convention), so a seed draws the same numbers
+    on either device. Returns the pipeline."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        pipe.to(device)
+    return pipe

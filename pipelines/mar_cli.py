@@ -118,6 +118,8 @@ def cmd_generate_mar(args, model: str) -> int:
     """`mmspec generate` for a MAR folder (see the module docstring)."""
     import torch
 
+    from mmspec.devices import move_pipeline
+
     _check_mar_options(args, model)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,8 +127,7 @@ def cmd_generate_mar(args, model: str) -> int:
         pipe = load_mar(model)
     except ValueError as e:
         raise SystemExit(f"mmspec generate: {e}") from None
-    if torch.device(args.device).type != "cpu":  # checked by `mmspec generate` before loading
-        pipe.to(args.device)
+    move_pipeline(pipe, args.device)
     pipe.set_progress_bar_config(disable=args.json)
     if pipe.drafter is None:
         raise SystemExit(f"mmspec generate: {model} has no drafter MAR, so it cannot sample speculatively")

@@ -39,7 +39,7 @@ def _run(args, images, prompts) -> int:
 
     from .vlm import SpeculativeVLMPipeline
 
-    from mmspec.devices import check_device
+    from mmspec.devices import check_device, move_pipeline
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,8 +49,7 @@ def _run(args, images, prompts) -> int:
         pipe.set_progress_bar_config(disable=args.json)
         if args.drafter:
             pipe.load_drafter(args.drafter)
-        if torch.device(args.device).type != "cpu":  # the seed's generator stays on the CPU (diffusers' convention)
-            pipe.to(args.device)
+        move_pipeline(pipe, args.device)
     except ValueError as e:
         raise SystemExit(f"mmspec {args.command}: {e}") from None
     speculative = pipe.drafter is not None
