@@ -52,6 +52,12 @@ def test_bench_imagegen_smoke(folder, tmp_path, capsys):
     rows = report["batches"][0]["methods"]
     assert set(rows) >= {"plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal"}
     assert rows["plain"]["forwards_per_image"] == 16.0 and rows["plain"]["speedup_vs_plain"] == 1.0
+    assert rows["plain"]["speedup_rounds_min_max"] == [1.0, 1.0]  # paired with itself, round by round
+    for r in rows.values():
+        lo, hi = r["speedup_rounds_min_max"]
+        assert 0 < lo <= hi
+    auto = rows["lantern/jacobi-maximal@auto"]
+    assert auto["window"] == "auto" and sum(auto["windows_chosen"].values()) > 0
     assert report["batches"][0]["verify_cost"]["ratio_to_one_token"]["1"] == 1.0
     assert "speed-up" in capsys.readouterr().out
     assert report["model"]["device"] == "cpu" and report["config"]["device"] == "cpu"

@@ -302,6 +302,10 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
                 "lossless": method_spec(m)[2] == "exact",
                 "window": (method_spec(m)[3] or W) if method_spec(m)[0] == "jacobi" else None,
             }
+            # The same ratio round by round (plain and the method timed in the same round): how
+            # far one round's figure moves on this machine.
+            paired = sorted(p["wall_s"] / x["wall_s"] for p, x in zip(runs["plain"], runs[m]))
+            rows[m]["speedup_rounds_min_max"] = [round(paired[0], 3), round(paired[-1], 3)]
             if method_spec(m)[3] == "auto":  # the windows the controller chose over the timed rounds
                 rows[m]["windows_chosen"] = summarize([k for x in runs[m] for k in x["drafted_per_step"]])
         entry["methods"] = rows
@@ -328,10 +332,13 @@ def format_table(report: dict) -> str:
         ratio = e["verify_cost"]["ratio_to_one_token"]
         lines.append(f"\nbatch {e['batch_size']} (model drafter K={e['draft_tokens']}, Jacobi window {e['window']}); "
                      "verify cost / one-token forward: " + ", ".join(f"Q={q}: {r}x" for q, r in ratio.items()))
-        lines.append(f"{'method':<26}{'fwd/image':>10}{'calls':>7}{'acc.len':>9}{'img/s':>9}{'speed-up':>10}  lossless")
+        lines.append(f"{'method':<26}{'fwd/image':>10}{'calls':>7}{'acc.len':>9}{'img/s':>9}{'speed-up':>10}"
+                     f"{'rounds':>12}  lossless")
         for name, r in e["methods"].items():
+            lo, hi = r.get("speedup_rounds_min_max", (r["speedup_vs_plain"],) * 2)
             lines.append(f"{name:<26}{r['forwards_per_image']:>10.2f}{r['batch_forwards']:>7.0f}{r['mean_accepted_length']:>9.2f}"
-                         f"{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x  {'yes' if r['lossless'] else 'no'}")
+                         f"{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x{lo:>6.2f}-{hi:<5.2f}"
+                         f"  {'yes' if r['lossless'] else 'no'}")
         for name, r in e["methods"].items():
             if r.get("windows_chosen"):
                 lines.append(f"  {name}: windows chosen (window: steps) {r['windows_chosen']}")
