@@ -89,14 +89,16 @@ class _GuidedRunner:
 
 
 class GuidedModelDrafter(ModelDrafter):
-    """`ModelDrafter(model, num_draft_tokens, tree)` drafting from guided logits. `guidance_scale`
+    """`ModelDrafter(model, num_draft_tokens, tree)` drafting from guided logits (`num_draft_tokens=
+    "auto"` as for `ModelDrafter`: K chosen before every step). `guidance_scale`
     is a number or a schedule callable (as `GuidedTarget` takes it); `make_uncond(input_ids,
     attention_mask, model_inputs) -> (ids, mask, model_inputs)` builds the unconditional prompts
     (same length as the conditional ones)."""
 
-    def __init__(self, model, guidance_scale, num_draft_tokens: int = 4, tree: TreeConfig | None = None, *,
-                 make_uncond: Callable, prepack="auto"):
-        super().__init__(model, None if tree is not None else num_draft_tokens, tree, prepack=prepack)
+    def __init__(self, model, guidance_scale, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None, *,
+                 make_uncond: Callable, max_draft_tokens: int | None = None, prepack="auto"):
+        super().__init__(model, None if tree is not None else num_draft_tokens, tree, max_draft_tokens=max_draft_tokens,
+                         prepack=prepack)
         if callable(guidance_scale):
             schedule = guidance_scale
         else:

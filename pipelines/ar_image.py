@@ -222,13 +222,22 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             return d, repr(d)
         if isinstance(d, LlamaGenGPT):
             tree = mmspec.TreeConfig(**settings["tree"]) if settings.get("tree") else None
-            K = int(settings["num_draft_tokens"])
+            K = settings["num_draft_tokens"]
+            if K != "auto" and (isinstance(K, bool) or not isinstance(K, int) or K < 0):
+                raise ValueError(f"drafter_config['num_draft_tokens'] must be an int >= 0 or 'auto', got {K!r}")
             spec = LlamaGenSpec(d, prepack=self.prepack)
             if guided and d.args.has_null_class:
-                return (GuidedModelDrafter(spec, schedule, K, tree, make_uncond=null_class_uncond(d.args.num_classes)),
-                        f"GuidedModelDrafter(K={K}, tree={tree})")
-            drafter = ModelDrafter(spec, tree=tree) if tree else ModelDrafter(spec, K)
-            return drafter, f"ModelDrafter(K={K}, tree={tree})"
+                drafter = GuidedModelDrafter(spec, schedule, K, tree, make_uncond=null_class_uncond(d.args.num_classes))
+                name = f"GuidedModelDrafter(K={K}, tree={tree})"
+            else:
+                drafter = ModelDrafter(spec, tree=tree) if tree else ModelDrafter(spec, K)
+                name = f"ModelDrafter(K={K}, tree={tree})"
+            if drafter.controller is not None:
+                # A drafter is built per call (its guidance is the call's); what K = "auto" has
+                # learnt carries over from call to call, per drafter model and guidance on / off.
+                controllers = self.__dict__.setdefault("_draft_length_controllers", {})
+                drafter.controller = controllers.setdefault((id(d), guided and d.args.has_null_class), drafter.controller)
+            return drafter, name
         return d, type(d).__name__
 
     def __setattr__(self, name, value):

@@ -198,6 +198,23 @@ def test_controller_switches_back_on_when_acceptance_recovers():
     assert sum(recovered) / len(recovered) >= 3
 
 
+def test_plain_stretches_are_re_ranked_every_few_steps_only(monkeypatch):
+    """While plain (K = 0) with no probe due, the full ranking runs every `replan_every` steps,
+    not on every step; probes and the step after them still rank afresh."""
+    ctrl = DraftLengthController(8)
+    feed(ctrl, 1, 60, 0.02, flat_verify, 0.002)  # speculation off
+    assert ctrl.history[-1] == 0 or ctrl.history[-2] == 0
+    calls = []
+    original = ctrl._rates
+    monkeypatch.setattr(ctrl, "_rates", lambda *a: calls.append(ctrl.steps) or original(*a))
+    probes = ctrl.probes
+    feed(ctrl, 1, 80, 0.02, flat_verify, 0.002, seed=2)
+    probed = ctrl.probes - probes
+    assert probed >= 1  # the back-off still probes
+    assert ctrl.replan_every == 4 and len(calls) <= 80 // 4 + 3 * probed + 2
+    assert sum(k == 0 for k in ctrl.history[-80:]) >= 80 - 2 * probed  # and stays plain
+
+
 def test_controller_needs_a_margin_to_switch_speculation_on():
     # Every draft accepted, but a draft token costs 0.009 s against a 0.0101 s verify: after
     # the warm-up (acceptance estimate ~0.93, the prior still weighing) K = 1 beats plain

@@ -191,5 +191,8 @@ def test_bench_method_names_take_auto():
 
     assert method_spec("lantern/jacobi-maximal@auto") == ("jacobi", "maximal", "lantern", "auto")
     assert method_spec("exact/jacobi-gumbel@16") == ("jacobi", "gumbel", "exact", 16)
+    assert method_spec("exact/model@auto") == ("model", None, "exact", "auto")  # K = "auto"
     with pytest.raises(ValueError, match="@auto"):
-        method_spec("exact/model@auto")
+        method_spec("exact/model@8")
+    with pytest.raises(ValueError, match="@auto"):
+        method_spec("plain@auto")

@@ -95,8 +95,11 @@ METHODS = {
 # "@auto": the window chosen per request by measurement (JacobiDrafter(window="auto"), up to 16 or
 # the batch's window if larger); one drafter per method for the whole run, as a user keeps
 # `pipe.drafter` across calls; the untimed round 0 lasts until its warm-up is over.
+# "exact/model@auto": the small-model drafter with num_draft_tokens="auto" (K chosen before
+# every step, K = 0 plain).
 WINDOW_METHODS = ("exact/jacobi-maximal@8", "exact/jacobi-gumbel@8", "gsd/jacobi-maximal@8",
-                  "exact/jacobi-gumbel@auto", "lantern/jacobi-maximal@auto", "lantern/jacobi-gumbel@auto")
+                  "exact/jacobi-gumbel@auto", "lantern/jacobi-maximal@auto", "lantern/jacobi-gumbel@auto",
+                  "exact/model@auto")
 # A method name ending in STOCK runs on stock linear kernels (`pipe.prepack = False`); the others on
 # the kernels measured faster on this machine per row count (`"auto"`, the pipeline's default):
 # these rows show what the measured choice gains, and that it never loses.
@@ -113,10 +116,11 @@ def method_spec(name: str) -> tuple[str, str | None, str, int | str | None]:
     kind, coupling, acceptance = METHODS[base]
     if not window:
         return kind, coupling, acceptance, None
-    if kind == "jacobi" and window == "auto":
+    if kind in ("jacobi", "model") and window == "auto":
         return kind, coupling, acceptance, "auto"
     if kind != "jacobi" or not window.isdigit() or int(window) < 1:
-        raise ValueError(f"method {name!r}: only Jacobi methods take @WINDOW (a positive int) or @auto")
+        raise ValueError(f"method {name!r}: only Jacobi methods take @WINDOW (a positive int), Jacobi and model "
+                         "methods @auto")
     return kind, coupling, acceptance, int(window)
 
 
@@ -149,7 +153,10 @@ def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window:
         if gpt_drafter is None:
             raise ValueError("this pipeline has no drafter model; run the jacobi methods only (--methods)")
         pipe.drafter = gpt_drafter
-        settings["num_draft_tokens"] = K
+        settings["num_draft_tokens"] = "auto" if window == "auto" else K
+        # K = "auto": the pipeline keeps what the controller learnt across calls; one controller
+        # set per bench method, so that rows with different rules do not share acceptance estimates.
+        pipe.__dict__["_draft_length_controllers"] = _AUTO_DRAFTERS.setdefault((id(pipe), method, "K"), {})
     elif kind == "jacobi" and window == "auto":
         key = (id(pipe), method)
         if key not in _AUTO_DRAFTERS:
@@ -278,7 +285,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
                 res = run_method(pipe, labels, B, m, cfg, scale, cfg.seed + r)
                 if r > 0:
                     runs[m].append(res)
-                elif window == "auto":
+                elif window == "auto" and kind == "jacobi":
                     # The untimed round also covers the bandit's warm-up at this batch size (a
                     # one-off per process, like the kernel measurement), so the timed rounds show
                     # its steady state; at batch 8 with 8 images a round is a single request.
@@ -306,8 +313,9 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
             # far one round's figure moves on this machine.
             paired = sorted(p["wall_s"] / x["wall_s"] for p, x in zip(runs["plain"], runs[m]))
             rows[m]["speedup_rounds_min_max"] = [round(paired[0], 3), round(paired[-1], 3)]
-            if method_spec(m)[3] == "auto":  # the windows the controller chose over the timed rounds
-                rows[m]["windows_chosen"] = summarize([k for x in runs[m] for k in x["drafted_per_step"]])
+            if method_spec(m)[3] == "auto":  # what the controller chose over the timed rounds (per step)
+                key = "windows_chosen" if method_spec(m)[0] == "jacobi" else "draft_lengths_chosen"
+                rows[m][key] = summarize([k for x in runs[m] for k in x["drafted_per_step"]])
         entry["methods"] = rows
         report["batches"].append(entry)
         # Each batch size's figures as soon as they exist (a run cut short by a time limit keeps them).
@@ -342,6 +350,8 @@ def format_table(report: dict) -> str:
         for name, r in e["methods"].items():
             if r.get("windows_chosen"):
                 lines.append(f"  {name}: windows chosen (window: steps) {r['windows_chosen']}")
+            if r.get("draft_lengths_chosen"):
+                lines.append(f"  {name}: draft lengths chosen (K: steps) {r['draft_lengths_chosen']}")
     if "judge" in report:
         lines.append("\njudge (class accuracy, Frechet):")
         for name, s in report["judge"].items():
