@@ -32,7 +32,6 @@ Limits: one decoder layer (EAGLE-1/2; EAGLE-3's multi-layer fusion is not here);
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable

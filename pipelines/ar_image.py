@@ -39,7 +39,6 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.utils import BaseOutput, is_accelerate_available

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .train_config import KINDS, TrainDrafterConfig, lr_at
+from .train_config import TrainDrafterConfig, lr_at
 
 
 # ---- data ---------------------------------------------------------------------------------------------

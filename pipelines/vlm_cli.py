@@ -102,7 +102,7 @@ def cmd_vqa(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from .train_config import HELP, TrainDrafterConfig
+    from .train_config import TrainDrafterConfig
     from .train_drafter import train_drafter
 
     names = {f.name for f in dataclasses.fields(TrainDrafterConfig)}

@@ -20,7 +20,7 @@ from mmspec.models.llamagen_spec import llamagen_target
 
 from _llamagen_helpers import LABELS, plain_greedy, tiny_gpt
 from test_core_sampling import chi_square_p
-from test_jacobi_drafter import LABEL, SAMPLES, SCALE, TOKENS, V, cfg_gpt, guided_joint
+from test_jacobi_drafter import SAMPLES, SCALE, V, cfg_gpt, guided_joint, sample_counts_over_requests
 
 
 def run_request(bandit: WindowBandit, batch: int, rate_of, rng: random.Random, steps: int = 10, noise: float = 0.1):
@@ -147,17 +147,7 @@ def test_auto_window_exact_sampling_with_cfg_matches_guided_joint():
     gpt = cfg_gpt()
     expected, unguided = guided_joint(gpt, SCALE), guided_joint(gpt, 1.0)
     drafter = JacobiDrafter("auto", "maximal", max_window=3, vocab_size=V)
-    gen = torch.Generator().manual_seed(7)
-    counts = torch.zeros(V, V, V)
-    per_call = SAMPLES // 10
-    accepted = 0
-    for _ in range(10):
-        out = mmspec.speculative_generate(llamagen_target(gpt, SCALE, num_tokens=TOKENS), drafter,
-                                          torch.full((per_call, 1), LABEL), max_new_tokens=TOKENS, temperature=1.0,
-                                          acceptance="exact", generator=gen)
-        t = out.sequences[:, 2:]
-        counts.index_put_((t[:, 0], t[:, 1], t[:, 2]), torch.ones(per_call), accumulate=True)
-        accepted += out.stats.accepted_drafts
+    counts, accepted = sample_counts_over_requests(gpt, drafter, 10)
     assert {a for _, a in drafter.controller.requests} >= {0, 2, 3}
     assert chi_square_p(counts, expected, SAMPLES) > 1e-4
     assert chi_square_p(counts, unguided, SAMPLES) < 1e-6  # power: guidance is visible in these samples

@@ -106,6 +106,19 @@ def sample_counts(gpt, drafter, scale=SCALE, seed=7) -> tuple[torch.Tensor, mmsp
     return counts, stats
 
 
+def sample_counts_over_requests(gpt, drafter, requests: int, seed=7) -> tuple[torch.Tensor, int]:
+    """`sample_counts` split into `requests` calls of one drafter (an adaptive drafter changes
+    its choices between them): pooled counts and accepted drafts."""
+    gen = torch.Generator().manual_seed(seed)
+    counts, accepted, per_call = torch.zeros(V, V, V), 0, SAMPLES // requests
+    for _ in range(requests):
+        tokens, stats = run(llamagen_target(gpt, SCALE, num_tokens=TOKENS), drafter, torch.full((per_call,), LABEL),
+                            n=TOKENS, temperature=1.0, acceptance="exact", generator=gen)
+        counts.index_put_((tokens[:, 1], tokens[:, 2], tokens[:, 3]), torch.ones(per_call), accumulate=True)
+        accepted += stats.accepted_drafts
+    return counts, accepted
+
+
 class KeepOldDraft(JacobiDrafter):
     """Planted bug: the maximal coupling keeps the previous draft always (drafts then follow
     the old distribution while q_new is reported)."""

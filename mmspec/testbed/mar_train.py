@@ -59,7 +59,6 @@ import shutil
 import time
 
 import torch
-import torch.nn.functional as F
 
 from mmspec.devices import check_device
 from mmspec.testbed.judge_model import JUDGE_DIR
