@@ -47,7 +47,7 @@ from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.ragged import RaggedKV
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
-from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig
+from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig, check_tree
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "drafter.safetensors"
@@ -361,8 +361,7 @@ class EagleHeadDrafter:
             num_draft_tokens = max_draft_tokens
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
-        if tree is not None and not isinstance(tree, TreeConfig):
-            raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
+        check_tree(tree, "EagleHeadDrafter", adaptive_ok=False)
         if not isinstance(head, EagleHead):
             raise TypeError(f"head must be an EagleHead, got {type(head).__name__}")
         spec = target_spec(target)

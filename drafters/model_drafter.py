@@ -27,12 +27,13 @@ from typing import Any
 import torch
 
 from mmspec.adaptive import DraftLengthController
+from mmspec.adaptive_window import WindowBandit
 from mmspec.drafters.chain_stop import ChainStop
 from mmspec.spec import ForwardSpec, SpecRunner
 from mmspec.spec_target import chain_visibility
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
-from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig
+from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig, check_tree
 
 
 def drafter_spec(model, prepack) -> ForwardSpec:
@@ -102,8 +103,7 @@ class ModelDrafter:
     ):
         from mmspec.compiled import static_and_compile
 
-        if tree is not None and not isinstance(tree, TreeConfig):
-            raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
+        check_tree(tree, "ModelDrafter", adaptive_ok=True)
         if tree is not None and num_draft_tokens is not None:
             raise ValueError(
                 f"num_draft_tokens={num_draft_tokens!r} has no effect with tree=: a tree drafts tree.num_nodes="
@@ -112,7 +112,7 @@ class ModelDrafter:
         if num_draft_tokens is None:
             num_draft_tokens = "auto" if tree is None else 0  # trees draft tree.num_nodes
         max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=8)
-        self.adaptive = num_draft_tokens == "auto" and tree is None
+        self.adaptive = (num_draft_tokens == "auto" and tree is None) or (tree is not None and tree.adaptive)
         if self.adaptive:
             num_draft_tokens = max_draft_tokens
         elif isinstance(num_draft_tokens, str):
@@ -124,8 +124,9 @@ class ModelDrafter:
         self.static, compile_opts = static_and_compile(static, compile)
         if self.static and self.adaptive:
             raise ValueError(
-                "static=True / compile= needs a fixed draft length or a tree: with num_draft_tokens='auto' the tokens "
-                "of plain steps pile up for one catch-up forward of unbounded length; pass num_draft_tokens=K"
+                "static=True / compile= needs a fixed draft length or a fixed tree: with num_draft_tokens='auto' or "
+                "TreeConfig(num_nodes='auto') the tokens of plain steps pile up for one catch-up forward of unbounded "
+                "length; pass num_draft_tokens=K or a tree's num_nodes"
             )
         self.model = model
         self.num_draft_tokens = num_draft_tokens
@@ -149,8 +150,13 @@ class ModelDrafter:
         self._catch_up_queries = None
         if self.static:
             self._catch_up_queries = tree.depth + 1 if tree is not None else 2
-        self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
-        self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
+        if not self.adaptive:
+            self.controller = None
+        elif tree is None:
+            self.controller = DraftLengthController(num_draft_tokens)
+        else:  # a tree's node count: per request, by measured speed (a tree has no per-position acceptance)
+            self.controller = WindowBandit(tree.num_nodes)
+        self.k = num_draft_tokens if tree is None else tree.num_nodes  # this step's draft size (the loop sets it)
         self._cap: int | None = None  # a request's room before a position table's end (`cap_draft_length`)
         self._drafted = 0  # tokens the last chain drafted (k, or fewer when it ended at EOS)
         self._stop = ChainStop()
@@ -177,6 +183,8 @@ class ModelDrafter:
             # throughout never pays for the drafter's prompt prefill.
             self._prefill_args = (input_ids, attention_mask, slots)
             self.draft_calls = 0
+            if isinstance(self.controller, WindowBandit):  # per-request choice (trees): a request begins
+                self.controller.begin_request()
         else:
             self._prefill_args = None
             self.runner.prefill(input_ids, attention_mask, slots, {})
@@ -186,7 +194,7 @@ class ModelDrafter:
         B = roots.shape[0]
         device = roots.device
         K = self.k if self._cap is None else min(self.k, self._cap)
-        if self.tree is None and K == 0:
+        if K == 0 and (self.tree is None or self.adaptive):  # (a fixed tree always drafts)
             # Plain decoding this step: no drafter forward; the root joins the tokens the
             # drafter will catch up on the next time it drafts.
             self._defer(roots)
@@ -232,6 +240,8 @@ class ModelDrafter:
                 self.pending = n.new_zeros(n.shape[0], 0)
                 self.pending_count = n.new_zeros(n.shape[0])
                 self.pending_host = [0] * len(n_host)
+        elif self._drafted == 0 and self.adaptive:
+            return  # a plain step (no nodes): the deferred root stays pending
         else:
             width = max(n_host) if n_host else 0
             self.pending = info.accepted_tokens[:, :width].clamp_min(0)
@@ -267,8 +277,9 @@ class ModelDrafter:
 
     def set_draft_length(self, k: int) -> None:
         """The loop's choice of K for the next step (adaptive drafters only)."""
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.num_draft_tokens:
-            raise ValueError(f"draft length must be an int in 0..{self.num_draft_tokens}, got {k!r}")
+        top = self.num_draft_tokens if self.tree is None else self.tree.num_nodes
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= top:
+            raise ValueError(f"draft length must be an int in 0..{top}, got {k!r}")
         self.k = k
 
     # ---- internals -------------------------------------------------------------------------
@@ -348,7 +359,8 @@ class ModelDrafter:
         parents = torch.cat(pool_parents, 1)
         depth_pen = torch.cat([torch.full_like(s, d) for s, d in zip(pool_scores, pool_depth)], 1)
         scores = torch.cat(pool_scores, 1) - 1e-6 * depth_pen
-        n = min(cfg.num_nodes, tokens.shape[1])
+        n = min(self.k if self.adaptive else cfg.num_nodes, tokens.shape[1])
+        self._drafted = n
         keep = scores.topk(n, -1).indices.sort(-1).values  # pool order: parents first
         inverse = torch.full_like(tokens, -1)
         inverse[rows, keep] = torch.arange(n, device=device).expand(B, n)

@@ -18,13 +18,25 @@ import torch
 class TreeConfig:
     """EAGLE-2 dynamic draft tree: expand the `top_k` best children of the `top_k` best
     frontier nodes for `depth` levels (ranked by cumulative draft log-prob), then keep the
-    `num_nodes` best nodes of the whole tree (Li et al. 2024, EAGLE-2, section 4)."""
+    `num_nodes` best nodes of the whole tree (Li et al. 2024, EAGLE-2, section 4).
+
+    `num_nodes="auto"` (`ModelDrafter` trees): how many nodes to keep, 0 (plain decoding) up to
+    24 (at most depth * top_k^2), is chosen per request from measured speed
+    (`mmspec.adaptive_window.WindowBandit`); it is stored as `adaptive=True` with `num_nodes`
+    the largest (`TreeConfig(num_nodes=32, adaptive=True)` for another largest)."""
 
     depth: int = 5
     top_k: int = 4
-    num_nodes: int = 24
+    num_nodes: int | str = 24
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"TreeConfig.adaptive must be a bool, got {self.adaptive!r}")
+        if self.num_nodes == "auto":
+            object.__setattr__(self, "adaptive", True)
+            if all(isinstance(getattr(self, n), int) and not isinstance(getattr(self, n), bool) for n in ("depth", "top_k")):
+                object.__setattr__(self, "num_nodes", max(1, min(24, self.depth * self.top_k * self.top_k)))
         for name in ("depth", "top_k", "num_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -40,6 +52,18 @@ class TreeConfig:
                 f"TreeConfig.num_nodes={self.num_nodes} exceeds the depth*top_k*top_k="
                 f"{self.depth * self.top_k * self.top_k} candidates the tree can hold; lower num_nodes"
             )
+
+
+def check_tree(tree, who: str, adaptive_ok: bool) -> None:
+    """`tree` must be None or a TreeConfig; an adaptive one (num_nodes="auto") only where `who`
+    chooses the size (TypeError / ValueError naming it)."""
+    if tree is None:
+        return
+    if not isinstance(tree, TreeConfig):
+        raise TypeError(f"tree must be None or an mmspec.TreeConfig, got {type(tree).__name__}")
+    if tree.adaptive and not adaptive_ok:
+        raise ValueError(f"{who} does not choose a tree's size by measurement (TreeConfig(num_nodes='auto')); give "
+                         "num_nodes=N, or draft chains with num_draft_tokens='auto'")
 
 
 @dataclass

@@ -232,10 +232,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                 drafter = ModelDrafter(spec, tree=tree) if tree else ModelDrafter(spec, K)
                 name = f"ModelDrafter(K={K}, tree={tree})"
             if drafter.controller is not None:
-                # A drafter is built per call (its guidance is the call's); what K = "auto" has
-                # learnt carries over from call to call, per drafter model and guidance on / off.
+                # A drafter is built per call (its guidance is the call's); what K = "auto" (or a
+                # tree's num_nodes="auto") has learnt carries over from call to call, per drafter
+                # model, guidance on / off and tree.
                 controllers = self.__dict__.setdefault("_draft_length_controllers", {})
-                drafter.controller = controllers.setdefault((id(d), guided and d.args.has_null_class), drafter.controller)
+                key = (id(d), guided and d.args.has_null_class, tree)
+                drafter.controller = controllers.setdefault(key, drafter.controller)
             return drafter, name
         return d, type(d).__name__
 

@@ -1,0 +1,74 @@
+"""Trees whose size is chosen by measurement (`TreeConfig(num_nodes="auto")`, `ModelDrafter`):
+lossless whatever node count each request runs (greedy equals `generate` over requests that
+run 24, 16, ..., 2 nodes and plain decoding; exact sampling over requests matches the
+enumerated joint), the controller is the per-request `WindowBandit` and lives on the drafter,
+and drafters that cannot choose a tree's size refuse it by name."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.adaptive_window import WindowBandit
+from mmspec.drafters import ModelDrafter
+
+from conftest import left_padded
+from test_core_sampling import SAMPLES, V, chi_square_p, joint_23, pair  # noqa: F401  (pair: a fixture)
+
+
+def test_tree_config_auto():
+    t = mmspec.TreeConfig(depth=3, top_k=2, num_nodes="auto")
+    assert t.adaptive and t.num_nodes == 12  # at most depth * top_k^2
+    assert mmspec.TreeConfig(num_nodes="auto").num_nodes == 24
+    assert mmspec.TreeConfig(**dataclasses.asdict(t)) == t  # a saved config round-trips
+    assert not mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6).adaptive
+    with pytest.raises(TypeError, match="adaptive must be a bool"):
+        mmspec.TreeConfig(adaptive="yes")
+    with pytest.raises(TypeError, match="num_nodes must be an int"):
+        mmspec.TreeConfig(num_nodes="many")
+
+
+def test_auto_tree_greedy_equals_generate_over_requests(target, good_drafter):
+    ids, mask = left_padded([9, 5, 7, 3])
+    ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, pad_token_id=0,
+                          eos_token_id=2)
+    drafter = ModelDrafter(good_drafter, tree=mmspec.TreeConfig(depth=4, top_k=3, num_nodes="auto"))
+    assert drafter.adaptive and isinstance(drafter.controller, WindowBandit)
+    for _ in range(8):  # the cold request, then a warm-up pass: 24, 16, 8, 4, 2, 0 nodes
+        out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=24,
+                                          eos_token_id=2, pad_token_id=0)
+        assert torch.equal(out.sequences, ref)
+    arms = {a for _, a in drafter.controller.requests}
+    assert arms >= {0, 2, 4, 8, 16, 24}
+
+
+def test_auto_tree_exact_sampling_matches_enumerated_joint(pair):
+    target, draft_model = pair
+    prompt = torch.tensor([[1, 5, 3, 6]])
+    sampling = mmspec.SamplingConfig(1.0)
+    drafter = ModelDrafter(draft_model, tree=mmspec.TreeConfig(depth=2, top_k=2, num_nodes=6, adaptive=True))
+    g = torch.Generator().manual_seed(2024)
+    counts = torch.zeros(V, V)
+    per_call = SAMPLES // 6
+    for _ in range(6):  # windows 6, 6 (the cold one), 4, 2, 0, ...: all in one pooled sample
+        out = mmspec.speculative_generate(target, drafter, prompt.expand(per_call, -1), acceptance="exact",
+                                          temperature=1.0, max_new_tokens=3, generator=g)
+        new = out.sequences[:, 4:]
+        counts.index_put_((new[:, 1], new[:, 2]), torch.ones(per_call), accumulate=True)
+    assert {a for _, a in drafter.controller.requests} >= {0, 2, 4, 6}
+    n = per_call * 6
+    assert chi_square_p(counts, joint_23(target, prompt, sampling), n) > 1e-4
+    assert chi_square_p(counts, joint_23(draft_model, prompt, sampling), n) < 1e-4  # power
+
+
+def test_drafters_that_cannot_choose_a_tree_size_refuse_it():
+    from mmspec.drafters.eagle_head import EagleHeadDrafter
+
+    tree = mmspec.TreeConfig(depth=2, top_k=2, num_nodes="auto")
+    with pytest.raises(ValueError, match=r"EagleHeadDrafter does not choose a tree's size by measurement"):
+        EagleHeadDrafter(object(), None, 4, tree=tree)  # refused before the target or head is looked at
+    with pytest.raises(ValueError, match="static=True / compile= needs a fixed draft length or a fixed tree"):
+        ModelDrafter(torch.nn.Linear(2, 2), tree=tree, static=True)
