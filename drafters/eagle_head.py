@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,9 @@ from torch import nn
 from mmspec.adaptive import DraftLengthController
 from mmspec.attention_choice import step_attention
 from mmspec.drafters.chain_stop import ChainStop
+from mmspec.adaptive_window import WindowBandit
 from mmspec.drafters.model_drafter import check_max_draft_tokens
+from mmspec.drafters.tree_grow import grow_tree  # noqa: F401  (also importable from here, as before)
 from mmspec.ragged import RaggedKV
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
@@ -290,49 +292,6 @@ def head_class(kind: str) -> type:
     return EagleHead
 
 
-def grow_tree(root_logits: torch.Tensor, cfg: TreeConfig, expand: Callable) -> Draft:
-    """EAGLE-2 dynamic tree. `expand(frontier_tokens [B,k], parent_slot [B,k] | None, level,
-    visibility [B,k,R+k], region R) -> logits [B,k,V]` runs the frontier through the drafter
-    (parent_slot: which previous frontier node each one hangs under; None at level 1)."""
-    k = cfg.top_k
-    B = root_logits.shape[0]
-    device = root_logits.device
-    rows = torch.arange(B, device=device).unsqueeze(1)
-    scores, toks = torch.log_softmax(root_logits.double(), -1).topk(k, -1)
-    pool_tokens, pool_scores, pool_parents, pool_depth = [toks], [scores], [torch.full_like(toks, -1)], [0]
-    frontier_idx = torch.arange(k, device=device).expand(B, k)
-    frontier_tokens, frontier_scores, parent_slot = toks, scores, None
-    parent_vis = torch.zeros(B, k, 0, dtype=torch.bool, device=device)
-    region, pool_size = 0, k
-    for level in range(1, cfg.depth):
-        vis = torch.cat([parent_vis, torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)], 2)
-        logits = expand(frontier_tokens, parent_slot, level, vis, region)
-        region += k
-        cand = frontier_scores.unsqueeze(-1) + torch.log_softmax(logits.double(), -1)
-        c_scores, c_toks = cand.topk(k, -1)
-        c_parent = frontier_idx.unsqueeze(-1).expand(B, k, k)
-        c_scores, c_toks, c_parent = (t.reshape(B, k * k) for t in (c_scores, c_toks, c_parent))
-        pool_tokens.append(c_toks)
-        pool_scores.append(c_scores)
-        pool_parents.append(c_parent)
-        pool_depth.append(level)
-        best_scores, best = c_scores.topk(k, -1)
-        parent_slot = best // k
-        parent_vis = vis[rows, parent_slot]
-        frontier_idx, frontier_tokens, frontier_scores = pool_size + best, c_toks.gather(1, best), best_scores
-        pool_size += k * k
-    tokens, parents = torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1)
-    depth_pen = torch.cat([torch.full_like(s, d) for s, d in zip(pool_scores, pool_depth)], 1)
-    scores = torch.cat(pool_scores, 1) - 1e-6 * depth_pen  # ties: shallower first (closed under ancestors)
-    n = min(cfg.num_nodes, tokens.shape[1])
-    keep = scores.topk(n, -1).indices.sort(-1).values
-    inverse = torch.full_like(tokens, -1)
-    inverse[rows, keep] = torch.arange(n, device=device).expand(B, n)
-    kept = parents.gather(1, keep)
-    new_parents = torch.where(kept >= 0, inverse.gather(1, kept.clamp_min(0)), kept)
-    return Draft(tokens=tokens.gather(1, keep), parents=new_parents, draft_probs=None, is_chain=False)
-
-
 def target_spec(target):
     """The forward spec of a target (an mmspec target with a spec, or a transformers model)."""
     spec = getattr(target, "spec", None)
@@ -353,15 +312,16 @@ class EagleHeadDrafter:
                  max_draft_tokens: int | None = None):
         max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6)
         # "auto" (chains): the loop picks K in 0..max_draft_tokens before every step from measured
-        # costs and acceptance (mmspec/adaptive.py); K = 0 defers the head's catch-up.
-        self.adaptive = num_draft_tokens == "auto" and tree is None
+        # costs and acceptance (mmspec/adaptive.py); K = 0 defers the head's catch-up. A tree with
+        # num_nodes="auto": the node count per request (mmspec/adaptive_window.py), 0 deferring too.
+        self.adaptive = (num_draft_tokens == "auto" and tree is None) or bool(getattr(tree, "adaptive", False))
         if num_draft_tokens == "auto":
             if tree is not None:
                 raise ValueError("num_draft_tokens='auto' is for chains; a tree drafts tree.num_nodes nodes")
             num_draft_tokens = max_draft_tokens
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
-        check_tree(tree, "EagleHeadDrafter", adaptive_ok=False)
+        check_tree(tree, "EagleHeadDrafter", adaptive_ok=True)
         if not isinstance(head, EagleHead):
             raise TypeError(f"head must be an EagleHead, got {type(head).__name__}")
         spec = target_spec(target)
@@ -372,8 +332,9 @@ class EagleHeadDrafter:
         self.image_token_id = head.config.image_token_id
         self.features = FeatureRequest(last_hidden=True, image_features=self.image_token_id is not None)
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
-        self.k = num_draft_tokens  # this step's draft length (set by the loop when adaptive)
-        self.controller = DraftLengthController(num_draft_tokens) if self.adaptive else None
+        self.k = self.max_draft_nodes  # this step's draft length / tree size (set by the loop when adaptive)
+        self.controller = (None if not self.adaptive else DraftLengthController(num_draft_tokens) if tree is None
+                           else WindowBandit(tree.num_nodes))
         self._stop = ChainStop()
         self._deferred = False  # this step drafts nothing (K = 0): the head's catch-up waits
         self._after_plain = False  # the next drafting step catches up on the pairs of plain steps
@@ -385,8 +346,8 @@ class EagleHeadDrafter:
 
     def set_draft_length(self, k: int) -> None:
         """The loop's choice of K for the next step (adaptive drafters only)."""
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.num_draft_tokens:
-            raise ValueError(f"draft length must be an int in 0..{self.num_draft_tokens}, got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_draft_nodes:
+            raise ValueError(f"draft length must be an int in 0..{self.max_draft_nodes}, got {k!r}")
         self.k = k
 
     # ---- the target's shared pieces -------------------------------------------------------------
@@ -425,10 +386,12 @@ class EagleHeadDrafter:
         self._deferred = False
         self._after_plain = False
         self.draft_calls = 0
+        if isinstance(self.controller, WindowBandit):  # per-request choice (trees): a request begins
+            self.controller.begin_request()
 
     def propose(self, roots: torch.Tensor, sampling: SamplingConfig, generator) -> Draft:
         B, device = roots.shape[0], roots.device
-        self._deferred = self.tree is None and self.k == 0
+        self._deferred = self.k == 0  # (a fixed tree's k is its num_nodes)
         if self._deferred:
             # Plain decoding this step. The prompt is run now if it has not been (it needs the
             # root); later pairs wait in `pending` and the next drafting step catches up on all.
@@ -572,7 +535,7 @@ class EagleHeadDrafter:
             state["out"] = out
             return self.logits(out)
 
-        return grow_tree(root_logits, self.tree, expand)
+        return grow_tree(root_logits, self.tree, expand, num_nodes=self.k)
 
 
 def check_head_fits(config: EagleHeadConfig, target, spec) -> None:

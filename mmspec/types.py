@@ -20,7 +20,7 @@ class TreeConfig:
     frontier nodes for `depth` levels (ranked by cumulative draft log-prob), then keep the
     `num_nodes` best nodes of the whole tree (Li et al. 2024, EAGLE-2, section 4).
 
-    `num_nodes="auto"` (`ModelDrafter` trees): how many nodes to keep, 0 (plain decoding) up to
+    `num_nodes="auto"` (`ModelDrafter`, EAGLE and ViSpec trees): how many nodes to keep, 0 (plain decoding) up to
     24 (at most depth * top_k^2), is chosen per request from measured speed
     (`mmspec.adaptive_window.WindowBandit`); it is stored as `adaptive=True` with `num_nodes`
     the largest (`TreeConfig(num_nodes=32, adaptive=True)` for another largest)."""

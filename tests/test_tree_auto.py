@@ -1,8 +1,9 @@
-"""Trees whose size is chosen by measurement (`TreeConfig(num_nodes="auto")`, `ModelDrafter`):
+"""Trees whose size is chosen by measurement (`TreeConfig(num_nodes="auto")`):
 lossless whatever node count each request runs (greedy equals `generate` over requests that
 run 24, 16, ..., 2 nodes and plain decoding; exact sampling over requests matches the
-enumerated joint), the controller is the per-request `WindowBandit` and lives on the drafter,
-and drafters that cannot choose a tree's size refuse it by name."""
+enumerated joint; a node count changing every step keeps EAGLE / ViSpec / model trees greedy
+exact on LLaVA), the controller is the per-request `WindowBandit` and lives on the drafter, and
+fixed-shape drafters refuse it by name."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ import mmspec
 from mmspec.adaptive_window import WindowBandit
 from mmspec.drafters import ModelDrafter
 
+from mmspec.drafters import EagleHeadConfig
+
 from conftest import left_padded
+from test_vlm_llava import llava, llava_batch, row_by_row  # noqa: F401  (llava: a fixture)
 from test_core_sampling import SAMPLES, V, chi_square_p, joint_23, pair  # noqa: F401  (pair: a fixture)
 
 
@@ -64,11 +68,40 @@ def test_auto_tree_exact_sampling_matches_enumerated_joint(pair):
     assert chi_square_p(counts, joint_23(draft_model, prompt, sampling), n) < 1e-4  # power
 
 
-def test_drafters_that_cannot_choose_a_tree_size_refuse_it():
-    from mmspec.drafters.eagle_head import EagleHeadDrafter
-
+def test_a_fixed_shape_drafter_refuses_an_adaptive_tree():
     tree = mmspec.TreeConfig(depth=2, top_k=2, num_nodes="auto")
-    with pytest.raises(ValueError, match=r"EagleHeadDrafter does not choose a tree's size by measurement"):
-        EagleHeadDrafter(object(), None, 4, tree=tree)  # refused before the target or head is looked at
     with pytest.raises(ValueError, match="static=True / compile= needs a fixed draft length or a fixed tree"):
         ModelDrafter(torch.nn.Linear(2, 2), tree=tree, static=True)
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle", "vispec"])
+def test_tree_size_changing_every_step_stays_greedy_exact(llava, kind):
+    """A tree whose node count changes from step to step (0 = plain, the catch-up deferred; a
+    scripted controller, so every transition is exercised): greedy output equals plain greedy
+    decoding row by row on LLaVA (batch of 4, different prompt lengths and images, EOS)."""
+    from test_drafters_eagle import KINDS, ScriptedK
+
+    from _vlm_helpers import assert_rows_equal
+
+    model, _ = llava
+    tree = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6, adaptive=True)
+    if kind == "model":
+        from test_vlm_llava import _text_only
+
+        drafter = ModelDrafter(_text_only(model), tree=tree)
+    else:
+        head_cls, drafter_cls = KINDS[kind]
+        torch.manual_seed(0)
+        drafter = drafter_cls(model, head_cls(EagleHeadConfig.for_target(model, kind=kind)).double(), tree=tree)
+    assert drafter.adaptive and isinstance(drafter.controller, WindowBandit)
+    script = [0, 0, 4, 0, 2, 6, 0, 1, 6]
+    drafter.controller = ScriptedK(script)
+    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5), (6, 3)], seed=7)
+    plain = row_by_row(model, ids, mask, 14, None, pixel_values=pixels)
+    eos = int(plain[0][6])
+    refs = row_by_row(model, ids, mask, 14, eos, pixel_values=pixels)
+    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=14,
+                                      pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
+    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    ks = out.stats.nodes_per_step
+    assert ks[: len(script)] == script[: len(ks)] and len(ks) > 4
