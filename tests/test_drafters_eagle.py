@@ -244,6 +244,19 @@ def test_llava_exact_sampling_with_feature_drafters(llava, kind):
     assert out.stats.row_steps > n  # several verify steps per row: rejections exercised
 
 
+def greedy_rows_equal_plain(model, drafter):
+    """A LLaVA batch of 4 (different prompt lengths and images, a row ending at EOS): greedy
+    speculative output equals plain greedy decoding row by row; returns the output."""
+    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5), (6, 3)], seed=7)
+    plain = row_by_row(model, ids, mask, 14, None, pixel_values=pixels)
+    eos = int(plain[0][6])
+    refs = row_by_row(model, ids, mask, 14, eos, pixel_values=pixels)
+    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=14,
+                                      pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
+    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    return out
+
+
 class ScriptedK:
     """A controller that plays a fixed K schedule (so K = 0 steps, deferred catch-ups and K
     changes are exercised deterministically); it records what the loop reported."""
@@ -275,13 +288,7 @@ def test_auto_draft_length_greedy_equals_generate(llava, kind, script):
     drafter = drafter_cls(model, head, "auto", max_draft_tokens=5)
     assert drafter.adaptive and drafter.max_draft_nodes == 5
     drafter.controller = ScriptedK(script)
-    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5), (6, 3)], seed=7)
-    plain = row_by_row(model, ids, mask, 14, None, pixel_values=pixels)
-    eos = int(plain[0][6])
-    refs = row_by_row(model, ids, mask, 14, eos, pixel_values=pixels)
-    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=14,
-                                      pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
-    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    out = greedy_rows_equal_plain(model, drafter)
     assert 0 in drafter.controller.seen and max(drafter.controller.seen) >= 3
     # One-off drafting work is flagged exactly at the drafting steps that follow plain steps
     # (or run the head's prompt prefill), never at a step that drafted after a drafting step.

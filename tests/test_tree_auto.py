@@ -19,7 +19,7 @@ from mmspec.drafters import ModelDrafter
 from mmspec.drafters import EagleHeadConfig
 
 from conftest import left_padded
-from test_vlm_llava import llava, llava_batch, row_by_row  # noqa: F401  (llava: a fixture)
+from test_vlm_llava import llava  # noqa: F401  (a fixture)
 from test_core_sampling import SAMPLES, V, chi_square_p, joint_23, pair  # noqa: F401  (pair: a fixture)
 
 
@@ -79,9 +79,7 @@ def test_tree_size_changing_every_step_stays_greedy_exact(llava, kind):
     """A tree whose node count changes from step to step (0 = plain, the catch-up deferred; a
     scripted controller, so every transition is exercised): greedy output equals plain greedy
     decoding row by row on LLaVA (batch of 4, different prompt lengths and images, EOS)."""
-    from test_drafters_eagle import KINDS, ScriptedK
-
-    from _vlm_helpers import assert_rows_equal
+    from test_drafters_eagle import KINDS, ScriptedK, greedy_rows_equal_plain
 
     model, _ = llava
     tree = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6, adaptive=True)
@@ -96,12 +94,6 @@ def test_tree_size_changing_every_step_stays_greedy_exact(llava, kind):
     assert drafter.adaptive and isinstance(drafter.controller, WindowBandit)
     script = [0, 0, 4, 0, 2, 6, 0, 1, 6]
     drafter.controller = ScriptedK(script)
-    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5), (6, 3)], seed=7)
-    plain = row_by_row(model, ids, mask, 14, None, pixel_values=pixels)
-    eos = int(plain[0][6])
-    refs = row_by_row(model, ids, mask, 14, eos, pixel_values=pixels)
-    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=14,
-                                      pixel_values=pixels, eos_token_id=eos, pad_token_id=0)
-    assert_rows_equal(out.sequences, ids.shape[1], refs)
+    out = greedy_rows_equal_plain(model, drafter)
     ks = out.stats.nodes_per_step
     assert ks[: len(script)] == script[: len(ks)] and len(ks) > 4
