@@ -28,6 +28,7 @@ import torch
 
 from mmspec.adaptive import DraftLengthController
 from mmspec.adaptive_window import WindowBandit
+from mmspec.drafters.tree_grow import grow_tree
 from mmspec.drafters.chain_stop import ChainStop
 from mmspec.spec import ForwardSpec, SpecRunner
 from mmspec.spec_target import chain_visibility
@@ -321,49 +322,14 @@ class ModelDrafter:
         return out.logits[:, -1] if aligned else out.logits[rows, self.pending_count]
 
     def _propose_tree(self, root_logits: torch.Tensor) -> Draft:
-        cfg = self.tree
-        k = cfg.top_k
-        B = root_logits.shape[0]
-        device = root_logits.device
-        rows = torch.arange(B, device=device).unsqueeze(1)
-        logq = torch.log_softmax(root_logits.float(), -1)
-        scores, toks = logq.topk(k, -1)  # [B, k]
-        pool_tokens, pool_scores, pool_parents, pool_depth = [toks], [scores], [torch.full_like(toks, -1)], [0]
-        frontier_idx = torch.arange(k, device=device).expand(B, k)  # pool indices of the frontier
-        frontier_tokens, frontier_scores = toks, scores
-        parent_vis = torch.zeros(B, k, 0, dtype=torch.bool, device=device)  # region visibility of parents
-        region = 0
-        pool_size = k
-        for level in range(1, cfg.depth):
-            vis = torch.cat([parent_vis, torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)], 2)
-            depth = torch.full((B, k), level - 1, dtype=torch.long, device=device)
-            logits = self.runner.forward(frontier_tokens, depth, vis, region).logits  # [B, k, V]
+        B, k = root_logits.shape[0], self.tree.top_k
+
+        def expand(frontier_tokens, parent_slot, level, vis, region):
+            depth = torch.full((B, k), level - 1, dtype=torch.long, device=root_logits.device)
             self.draft_calls += 1
-            region += k
-            cand = frontier_scores.unsqueeze(-1) + torch.log_softmax(logits.float(), -1)  # [B, k, V]
-            c_scores, c_toks = cand.topk(k, -1)  # [B, k, k]
-            c_parent = frontier_idx.unsqueeze(-1).expand(B, k, k)
-            c_scores, c_toks, c_parent = (t.reshape(B, k * k) for t in (c_scores, c_toks, c_parent))
-            pool_tokens.append(c_toks)
-            pool_scores.append(c_scores)
-            pool_parents.append(c_parent)
-            pool_depth.append(level)
-            best_scores, best = c_scores.topk(k, -1)  # next frontier, positions within this level
-            parent_slot = best // k  # which frontier node each one hangs under
-            parent_vis = vis[rows, parent_slot]  # [B, k, region]
-            frontier_idx = pool_size + best
-            frontier_tokens = c_toks.gather(1, best)
-            frontier_scores = best_scores
-            pool_size += k * k
-        tokens = torch.cat(pool_tokens, 1)  # [B, M]
-        parents = torch.cat(pool_parents, 1)
-        depth_pen = torch.cat([torch.full_like(s, d) for s, d in zip(pool_scores, pool_depth)], 1)
-        scores = torch.cat(pool_scores, 1) - 1e-6 * depth_pen
-        n = min(self.k if self.adaptive else cfg.num_nodes, tokens.shape[1])
-        self._drafted = n
-        keep = scores.topk(n, -1).indices.sort(-1).values  # pool order: parents first
-        inverse = torch.full_like(tokens, -1)
-        inverse[rows, keep] = torch.arange(n, device=device).expand(B, n)
-        kept_parents = parents.gather(1, keep)
-        new_parents = torch.where(kept_parents >= 0, inverse.gather(1, kept_parents.clamp_min(0)), kept_parents)
-        return Draft(tokens=tokens.gather(1, keep), parents=new_parents, draft_probs=None, is_chain=False)
+            return self.runner.forward(frontier_tokens, depth, vis, region).logits  # [B, k, V]
+
+        draft = grow_tree(root_logits, self.tree, expand, num_nodes=self.k if self.adaptive else None,
+                          score_dtype=torch.float32)
+        self._drafted = draft.tokens.shape[1]
+        return draft

@@ -2,7 +2,7 @@
 arXiv 2406.16858, section 4; github.com/SafeAILab/EAGLE): expand the `top_k` best children of
 the `top_k` best frontier nodes for `depth` levels, ranked by cumulative draft log-prob, then keep
 the best `num_nodes` nodes of the whole tree (closed under ancestors). Used by `EagleHeadDrafter`
-(and the ViSpec drafter built on it); `ModelDrafter` grows its trees the same way over its runner.
+(and the ViSpec drafter built on it) and `ModelDrafter` (over its runner).
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ import torch
 from mmspec.types import Draft, TreeConfig
 
 
-def grow_tree(root_logits: torch.Tensor, cfg: TreeConfig, expand: Callable, num_nodes: int | None = None) -> Draft:
+def grow_tree(root_logits: torch.Tensor, cfg: TreeConfig, expand: Callable, num_nodes: int | None = None,
+              score_dtype: torch.dtype = torch.float64) -> Draft:
     """EAGLE-2 dynamic tree. `expand(frontier_tokens [B,k], parent_slot [B,k] | None, level,
     visibility [B,k,R+k], region R) -> logits [B,k,V]` runs the frontier through the drafter
     (parent_slot: which previous frontier node each one hangs under; None at level 1).
     `num_nodes` (default `cfg.num_nodes`): how many of the best nodes to keep (an adaptive tree's
-    choice of the step)."""
+    choice of the step). `score_dtype`: the dtype of the cumulative log-probs (`ModelDrafter`
+    ranks in float32, the EAGLE heads in float64)."""
     k = cfg.top_k
     B = root_logits.shape[0]
     device = root_logits.device
     rows = torch.arange(B, device=device).unsqueeze(1)
-    scores, toks = torch.log_softmax(root_logits.double(), -1).topk(k, -1)
+    scores, toks = torch.log_softmax(root_logits.to(score_dtype), -1).topk(k, -1)
     pool_tokens, pool_scores, pool_parents, pool_depth = [toks], [scores], [torch.full_like(toks, -1)], [0]
     frontier_idx = torch.arange(k, device=device).expand(B, k)
     frontier_tokens, frontier_scores, parent_slot = toks, scores, None
@@ -34,7 +36,7 @@ def grow_tree(root_logits: torch.Tensor, cfg: TreeConfig, expand: Callable, num_
         vis = torch.cat([parent_vis, torch.eye(k, dtype=torch.bool, device=device).expand(B, k, k)], 2)
         logits = expand(frontier_tokens, parent_slot, level, vis, region)
         region += k
-        cand = frontier_scores.unsqueeze(-1) + torch.log_softmax(logits.double(), -1)
+        cand = frontier_scores.unsqueeze(-1) + torch.log_softmax(logits.to(score_dtype), -1)
         c_scores, c_toks = cand.topk(k, -1)
         c_parent = frontier_idx.unsqueeze(-1).expand(B, k, k)
         c_scores, c_toks, c_parent = (t.reshape(B, k * k) for t in (c_scores, c_toks, c_parent))

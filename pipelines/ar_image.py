@@ -61,6 +61,8 @@ def jacobi_from_config(settings: dict) -> JacobiDrafter:
     """The JacobiDrafter a drafter_config describes (window an int, or "auto" with max_window)."""
     full = {**DEFAULT_DRAFTER_CONFIG, **settings}
     return JacobiDrafter(full["window"], full["coupling"], full["init"], max_window=full["max_window"])
+
+
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
@@ -210,11 +212,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         settings = self.config.drafter_config
         if d is None:
             # One drafter per settings, kept across calls: a window="auto" drafter learns across them.
-            key = json.dumps({k: settings.get(k) for k in ("window", "coupling", "init", "max_window")}, sort_keys=True)
-            cached = getattr(self, "_config_jacobi", None)
-            if cached is None or cached[0] != key:
-                self._config_jacobi = cached = (key, jacobi_from_config(settings))
-            d = cached[1]
+            key = tuple(settings.get(k) for k in ("window", "coupling", "init", "max_window"))
+            d = self.__dict__.setdefault("_config_jacobi", {}).get(key)
+            if d is None:
+                d = self._config_jacobi[key] = jacobi_from_config(settings)
         if isinstance(d, JacobiDrafter):
             if d.vocab_size is None:
                 d.vocab_size = V
