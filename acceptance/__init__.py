@@ -13,6 +13,7 @@ from .continuous_relaxed import RelaxedContinuousAcceptance
 from .exact import ExactAcceptance
 from .greedy import GreedyAcceptance
 from .grouped import GroupedAcceptance
+from .invariant import DrafterInvariantAcceptance
 from .lantern import LanternAcceptance
 from .typical import TypicalAcceptance
 
@@ -23,6 +24,7 @@ RULES: dict[str, type] = {
     "lantern": LanternAcceptance,  # needs codebook=[V, D]
     "gsd": GroupedAcceptance,  # needs embeddings=[V, D]
     "cluster_exact": ClusterExactAcceptance,  # needs labels=[V]
+    "invariant": DrafterInvariantAcceptance,  # sampled output independent of the drafter for a seed
 }
 
 # Continuous-token rules verify Gaussian token distributions, not categorical ones; they do
@@ -113,6 +115,7 @@ __all__ = [
     "ClusterExactAcceptance",
     "ContinuousAcceptance",
     "ContinuousResult",
+    "DrafterInvariantAcceptance",
     "RelaxedContinuousAcceptance",
     "ExactAcceptance",
     "GreedyAcceptance",

@@ -47,6 +47,7 @@ from mmspec.adaptive_window import WindowBandit
 from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.drafters.tree_grow import grow_tree  # noqa: F401  (also importable from here, as before)
 from mmspec.ragged import RaggedKV
+from mmspec.position_noise import DraftsWithPositionNoise
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig, check_tree
@@ -304,7 +305,7 @@ def target_spec(target):
     raise TypeError(f"the target must be a transformers model or a SpecTarget, got {type(target).__name__}")
 
 
-class EagleHeadDrafter:
+class EagleHeadDrafter(DraftsWithPositionNoise):
     """Drafts with an `EagleHead` over `target`'s features (any target with `supports_features`
     whose spec exposes `embed` / `head`). Build it once per target and reuse it."""
 
@@ -415,12 +416,16 @@ class EagleHeadDrafter:
         tokens, probs = [], []
         ended = self._stop.begin(B, device)
         steps = torch.arange(K, device=device)
+        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(K, torch.float32)
         for i in range(K):
             if sampling.greedy:  # no q is returned for greedy drafts: the argmax is enough
                 d = logits.argmax(-1)
             else:
                 q = process_logits(logits, sampling)
-                d = sample_from(q, generator)
+                if noise is not None:  # acceptance="invariant": Gumbel-max with the verifier's noise
+                    d = (q.log() + noise[:, i].to(q.dtype)).argmax(-1)
+                else:
+                    d = sample_from(q, generator)
                 probs.append(q)
             tokens.append(d)
             if i == K - 1 or self._stop.every_row_ended(ended, d):

@@ -93,6 +93,14 @@ class JacobiDrafter:
         self.k = self.max_window  # positions sent to the target this step (set by the loop when adaptive)
         self.controller = WindowBandit(self.max_window) if self.adaptive else None
         self.draft_calls = 0
+        self._shared_noise = None
+
+    def set_position_noise(self, noise) -> None:
+        """The loop's position-keyed Gumbel noise under acceptance="invariant" (a callable
+        ``noise(n, dtype) -> [B, n, V]`` for the next n positions), or None. With it every
+        coupling drafts ``argmax(log q + g)`` with the verifier's noise: the draft its greedy
+        check of the perturbed target accepts most often (still distributed as q)."""
+        self._shared_noise = noise
 
     def __repr__(self) -> str:
         window = f"'auto', max_window={self.max_window}" if self.adaptive else self.window
@@ -148,7 +156,9 @@ class JacobiDrafter:
             tokens = torch.where(have, known.argmax(-1), random_tokens if self.init == "random" else init_q.argmax(-1))
             self._drafted = (tokens, None)
             return Draft(tokens=tokens, parents=chain_parents(B, N, device), draft_probs=None)
-        if self.coupling == "gumbel":
+        if self._shared_noise is not None:  # acceptance="invariant": the verifier's own noise per position
+            tokens = (q.clamp_min(0).log() + self._shared_noise(N, q.dtype)).argmax(-1)
+        elif self.coupling == "gumbel":
             self._fill_noise(N, generator)
             tokens = (q.clamp_min(0).log() + self.noise[:, :N].to(q.dtype)).argmax(-1)
         else:

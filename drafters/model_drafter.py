@@ -32,6 +32,7 @@ from mmspec.drafters.tree_grow import grow_tree
 from mmspec.drafters.chain_stop import ChainStop
 from mmspec.spec import ForwardSpec, SpecRunner
 from mmspec.spec_target import chain_visibility
+from mmspec.position_noise import DraftsWithPositionNoise
 from mmspec.sampling import SamplingConfig, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig, check_tree
@@ -69,7 +70,7 @@ def check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default: int) -> 
         raise ValueError(f"max_draft_tokens must be an int >= 1, got {max_draft_tokens!r}")
     return max_draft_tokens
 
-class ModelDrafter:
+class ModelDrafter(DraftsWithPositionNoise):
     """Drafts with a small HF causal LM (or any `mmspec.spec.ForwardSpec`): a chain of
     `num_draft_tokens` tokens or, with `tree=TreeConfig(...)`, a dynamic tree (then
     `num_draft_tokens` must not be given).
@@ -207,9 +208,13 @@ class ModelDrafter:
             return self._propose_tree(logits)
         tokens, probs = [], []
         ended = None if self.static else self._stop.begin(B, device)
+        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(K, torch.float32)
         for i in range(K):
             q = process_logits(logits, sampling)
-            d = q.argmax(-1) if sampling.greedy else sample_from(q, generator)
+            if noise is not None:  # acceptance="invariant": Gumbel-max with the verifier's noise
+                d = (q.log() + noise[:, i].to(q.dtype)).argmax(-1)
+            else:
+                d = q.argmax(-1) if sampling.greedy else sample_from(q, generator)
             tokens.append(d)
             probs.append(q)
             if i == K - 1 or self._stop.every_row_ended(ended, d):

@@ -119,6 +119,12 @@ def cmd_generate(args) -> int:
     if is_mar_folder(model):  # continuous tokens: SpeculativeMARPipeline with CSpD
         return cmd_generate_mar(args, model)
     _require_model(model, "generate")
+    jacobi_flags = [f for f, v in (("--window", args.window), ("--coupling", args.coupling)) if v is not None]
+    if jacobi_flags and args.drafter == "model":
+        raise SystemExit(f"mmspec generate: {', '.join(jacobi_flags)} set the Jacobi drafter; --drafter model drafts "
+                         "with the folder's small GPT (drop them, or use --drafter jacobi)")
+    if jacobi_flags and args.drafter is None:
+        args.drafter = "jacobi"  # a window or coupling asks for the Jacobi drafter (not the folder's saved one)
     check_discrete_options(args, model)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,7 +181,8 @@ def cmd_generate(args) -> int:
         if args.compare:
             print(f"plain decoding: {plain_s:.2f}s, {plain.stats.target_forwards_per_image:.2f} forwards per image; "
                   f"speed-up {plain_s / spec_s:.2f}x; side by side in {os.path.join(args.out, 'compare.png')} "
-                  "(left: speculative, right: plain, same seed)")
+                  f"(left: speculative, right: plain, same seed); same tokens as plain: "
+                  f"{'yes' if summary['same_tokens_as_plain'] else 'no'}")
     return 0
 
 
@@ -289,10 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "a SpeculativeMARPipeline folder samples with CSpD")
     p.add_argument("--class", dest="class_", type=int, nargs="+", required=True, help="class id(s)")
     p.add_argument("--num-images", type=int, default=1, help="images per class")
-    p.add_argument("--acceptance", default=None, help="rule name: exact (default), lantern, gsd, ...; MAR: continuous")
+    p.add_argument("--acceptance", default=None, help="rule name: exact (default), invariant (same tokens as plain decoding for a seed, whatever the drafter), lantern, gsd, ...; MAR: continuous")
     p.add_argument("--drafter", choices=("jacobi", "model"), default=None, help="default: the pipeline's")
     p.add_argument("--window", type=window_arg, default=None,
-                   help="Jacobi window, an int or 'auto' (chosen by measurement; with --drafter jacobi; default auto)")
+                   help="Jacobi window, an int or 'auto' (chosen by measurement); implies --drafter jacobi (default with it: auto)")
     p.add_argument("--coupling", choices=("maximal", "gumbel", "none"), default=None, help="default maximal")
     p.add_argument("--guidance-scale", type=float, default=None, help="default: the generator's own")
     p.add_argument("--temperature", type=float, default=None,

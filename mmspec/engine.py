@@ -31,6 +31,7 @@ from mmspec.protocols import check_drafter, check_rule, check_target, is_target
 from mmspec.sampling import SamplingConfig, check_generator, process_logits
 from mmspec.stats import SpecStats
 from mmspec.timing import PhaseTimer
+from mmspec.position_noise import PositionNoise
 from mmspec.tree import verify_draft
 from mmspec.types import CommitInfo, Draft, Verdict
 
@@ -188,11 +189,11 @@ def _plain_k0(rule) -> bool:
     from mmspec.acceptance.greedy import GreedyAcceptance
 
     cls = type(rule)
-    if not isinstance(rule, ChainRule) or cls.verify is not ChainRule.verify:
+    if not isinstance(rule, ChainRule):
         return False
-    if cls.verify_unchecked is ChainRule.verify_unchecked:
-        return True
-    return cls.verify_unchecked is GreedyAcceptance.verify_unchecked and cls.sample is GreedyAcceptance.sample
+    if cls.verify_unchecked is GreedyAcceptance.verify_unchecked and cls.sample is GreedyAcceptance.sample:
+        return True  # greedy verification (also under a checked `verify` of its own: the loop calls neither)
+    return cls.verify is ChainRule.verify and cls.verify_unchecked is ChainRule.verify_unchecked
 
 
 def _finite(logits: torch.Tensor, probs: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -477,6 +478,13 @@ class _Loop:
         # "sample the target" (the base class's vectorised verify, not overridden).
         self.plain_step = _plain_k0(rule)
         self.position_room: tuple[int, int] | None = None  # (position table size, padded prompt length)
+        # Drafter-invariant sampling (acceptance="invariant"): the loop perturbs the target's
+        # distributions with noise keyed by (seed, row, position) and hands drafters the same noise.
+        self.noise = PositionNoise.for_request(generator, target.vocab_size) if getattr(
+            rule, "position_keyed", False) else None
+        self._set_noise = getattr(drafter, "set_position_noise", None)
+        if self._set_noise is not None:
+            self._set_noise(None)  # no stale noise from an earlier request
 
     def prefill(self, input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter: _Emitter) -> None:
         tout = self.target.prefill(
@@ -487,6 +495,8 @@ class _Loop:
         if not bool(_finite(tout.logits[:, -1], probs, self.sampling)):  # SYNC: once, after prefill
             raise ValueError("non-finite probabilities (NaN or inf) from the target's prefill; check the model's dtype "
                              "and inputs (the output would be silently wrong)")
+        if self.noise is not None:
+            probs = self.noise.perturb(probs.unsqueeze(1), emitter.rows_host, [0] * len(emitter.rows_host))[:, 0]
         self.roots = self.rule.sample(probs, self.generator)
         t0 = self.timer.mark()
         set_stop = getattr(self.drafter, "set_stop_tokens", None)
@@ -511,6 +521,10 @@ class _Loop:
             # Root positions are prompt + emitted - 1, so a row's drafts may reach limit - 1 at most.
             limit, length = self.position_room
             self.drafter.cap_draft_length(max(limit - length - max(emitter.new_tokens[r] for r in rows), 0))
+        starts = [emitter.new_tokens[r] for r in rows] if self.noise is not None else None
+        if starts is not None and self._set_noise is not None:  # draft slot j sits at position starts + j
+            self._set_noise(lambda n, dtype, rows=rows, starts=starts: self.noise.gumbel(
+                rows, starts, n, dtype=dtype, device=self.roots.device))
         h0 = time.perf_counter()
         t0 = self.timer.mark()
         draft: Draft = self.drafter.propose(self.roots, self.sampling, self.generator)
@@ -522,9 +536,11 @@ class _Loop:
             # K = 0 (plain decoding, e.g. chosen by the adaptive controller): the rule's own
             # K = 0 answer (sample the target) without the chain machinery around it.
             probs = process_logits(tout.logits[:, -1], self.sampling)  # [Ba, V]
+            finite = _finite(tout.logits[:, -1], probs, self.sampling)
+            if starts is not None:
+                probs = self.noise.perturb(probs.unsqueeze(1), rows, starts)[:, 0]
             next_tokens = self.rule.sample(probs, self.generator)
-            info, n_host, count_host, keep = emitter.emit_root(next_tokens, _finite(tout.logits[:, -1], probs,
-                                                                                     self.sampling))
+            info, n_host, count_host, keep = emitter.emit_root(next_tokens, finite)
             verdict = None
         else:
             probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
@@ -532,6 +548,8 @@ class _Loop:
             drafted_ok = (torch.isfinite(draft.draft_probs).all() if draft.draft_probs is not None
                           else probs.new_ones((), dtype=torch.bool))
             finite = torch.stack([_finite(tout.logits, probs, self.sampling), drafted_ok])
+            if starts is not None:
+                probs = self.noise.perturb(probs, rows, starts, None if draft.is_chain else draft.parents)
             verdict = verify_draft(self.rule, draft, probs, generator=self.generator)
             info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite)
         info.is_chain = draft.is_chain

@@ -387,7 +387,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         kwargs = dict(acceptance_kwargs or {}) if isinstance(acceptance, str) else None
         if acceptance == "lantern" and "k" not in kwargs:
             kwargs["k"] = lantern_k(V)
-        if not speculative:
+        if not speculative and not (acceptance == "invariant" or getattr(acceptance, "position_keyed", False)):
+            # Plain decoding samples the target exactly; "invariant" keeps its position-keyed
+            # Gumbel-max sampling, so speculative and plain images are the same for a seed.
             acceptance, kwargs = "exact", None
         self._interrupt = False
 

@@ -35,6 +35,19 @@ def test_generate_compare_json(folder, tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["files"] == summary["files"]
 
 
+def test_generate_invariant_sampling_matches_plain_and_window_implies_jacobi(folder, tmp_path, capsys):
+    """--acceptance invariant at temperature 1: the speculative images are the plain ones for the
+    seed. Before: --window without --drafter jacobi was ignored (the folder's drafter ran)."""
+    main(["generate", "--model", str(folder), "--class", "1", "3", "--window", "5", "--acceptance", "invariant",
+          "--compare", "--json", "--out", str(tmp_path / "inv")])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["same_tokens_as_plain"] is True and summary["lossless"] is True
+    assert "JacobiDrafter(window=5" in summary["drafter"]
+    with pytest.raises(SystemExit, match="--window set the Jacobi drafter"):
+        main(["generate", "--model", str(folder), "--class", "1", "--drafter", "model", "--window", "4",
+              "--out", str(tmp_path / "bad")])
+
+
 def test_generate_jacobi_and_bad_class(folder, tmp_path, capsys):
     main(["generate", "--model", str(folder), "--class", "2", "--drafter", "jacobi", "--acceptance", "gsd",
           "--out", str(tmp_path / "j")])

@@ -89,7 +89,13 @@ METHODS = {
     "lantern/jacobi-gumbel": ("jacobi", "gumbel", "lantern"),
     "gsd/model": ("model", None, "gsd"),
     "gsd/jacobi-maximal": ("jacobi", "maximal", "gsd"),
+    # acceptance="invariant": Gumbel-max sampling with noise keyed by position, so every
+    # invariant row emits the same tokens as "invariant/plain" for a seed (checked per round).
+    "invariant/plain": ("plain", None, "invariant"),
+    "invariant/model": ("model", None, "invariant"),
+    "invariant/jacobi-gumbel": ("jacobi", "gumbel", "invariant"),
 }
+LOSSLESS = ("exact", "invariant")
 # Also run by default: Jacobi methods with a fixed window ("@W" overrides the per-batch window),
 # so that the window is chosen from measurements of the same run.
 # "@auto": the window chosen per request by measurement (JacobiDrafter(window="auto"), up to 16 or
@@ -99,7 +105,7 @@ METHODS = {
 # every step, K = 0 plain).
 WINDOW_METHODS = ("exact/jacobi-maximal@8", "exact/jacobi-gumbel@8", "gsd/jacobi-maximal@8",
                   "exact/jacobi-gumbel@auto", "lantern/jacobi-maximal@auto", "lantern/jacobi-gumbel@auto",
-                  "exact/model@auto")
+                  "exact/model@auto", "invariant/jacobi-gumbel@auto")
 # A method name ending in STOCK runs on stock linear kernels (`pipe.prepack = False`); the others on
 # the kernels measured faster on this machine per row count (`"auto"`, the pipeline's default):
 # these rows show what the measured choice gains, and that it never loses.
@@ -306,13 +312,16 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
                 "forwards_per_image": round(statistics.mean(x["forwards_per_image"] for x in runs[m]), 3),
                 "batch_forwards": statistics.mean(x["batch_forwards"] for x in runs[m]),
                 "mean_accepted_length": round(statistics.mean(x["mean_accepted_length"] for x in runs[m]), 3),
-                "lossless": method_spec(m)[2] == "exact",
+                "lossless": method_spec(m)[2] in LOSSLESS,
                 "window": (method_spec(m)[3] or W) if method_spec(m)[0] == "jacobi" else None,
             }
             # The same ratio round by round (plain and the method timed in the same round): how
             # far one round's figure moves on this machine.
             paired = sorted(p["wall_s"] / x["wall_s"] for p, x in zip(runs["plain"], runs[m]))
             rows[m]["speedup_rounds_min_max"] = [round(paired[0], 3), round(paired[-1], 3)]
+            if method_spec(m)[2] == "invariant" and "invariant/plain" in runs:  # same seed, same tokens?
+                rows[m]["identical_to_invariant_plain"] = all(
+                    torch.equal(x["tokens"], p["tokens"]) for x, p in zip(runs[m], runs["invariant/plain"]))
             if method_spec(m)[3] == "auto":  # what the controller chose over the timed rounds (per step)
                 key = "windows_chosen" if method_spec(m)[0] == "jacobi" else "draft_lengths_chosen"
                 rows[m][key] = summarize([k for x in runs[m] for k in x["drafted_per_step"]])
@@ -321,7 +330,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
         # Each batch size's figures as soon as they exist (a run cut short by a time limit keeps them).
         progress(f"batch {B}: speed-up vs plain " + ", ".join(f"{m} {rows[m]['speedup_vs_plain']:.2f}x" for m in methods))
     if cfg.judge_images > 0:
-        lossy = [m for m in methods if method_spec(m)[2] != "exact"]
+        lossy = [m for m in methods if method_spec(m)[2] not in LOSSLESS]
         report["judge"] = judge_quality(pipe, cfg, scale, ["plain"] + lossy, progress)
     return report
 
@@ -346,7 +355,9 @@ def format_table(report: dict) -> str:
             lo, hi = r.get("speedup_rounds_min_max", (r["speedup_vs_plain"],) * 2)
             lines.append(f"{name:<26}{r['forwards_per_image']:>10.2f}{r['batch_forwards']:>7.0f}{r['mean_accepted_length']:>9.2f}"
                          f"{r['images_per_s']:>9.2f}{r['speedup_vs_plain']:>9.2f}x{lo:>6.2f}-{hi:<5.2f}"
-                         f"  {'yes' if r['lossless'] else 'no'}")
+                         f"  {'yes' if r['lossless'] else 'no'}"
+                         + {True: ", same tokens as invariant/plain", False: ", TOKENS DIFFER from invariant/plain",
+                            None: ""}[r.get("identical_to_invariant_plain")])
         for name, r in e["methods"].items():
             if r.get("windows_chosen"):
                 lines.append(f"  {name}: windows chosen (window: steps) {r['windows_chosen']}")

@@ -1,0 +1,126 @@
+"""Gumbel noise keyed by position: sampling whose output does not depend on the drafter.
+
+Gumbel-max sampling draws a token from p as ``argmax(log p + g)`` with ``g`` a vector of i.i.d.
+Gumbel(0, 1) variables. If every generated position ``t`` of every row owns its own ``g_t``,
+drawn from the request's seed and nothing else, then decoding is a deterministic function of
+(target, prompt, seed): ``y_t = argmax(log p(. | y_<t) + g_t)``. Each ``y_t`` is still an exact
+sample from ``p(. | y_<t)`` (``g_t`` is independent of the prefix, which depends on
+``g_<t`` only), so the sequence is distributed exactly like ancestral sampling.
+
+Speculative verification of such a sequence is greedy verification on the perturbed target,
+``argmax(log p + g)``: a drafted token is kept while it equals the perturbed argmax, and the
+first mismatch is replaced by it. The emitted tokens are then *the same tokens* plain decoding
+with the same seed emits, whatever the drafter, its draft length, its tree, or an adaptive
+choice made from timings (Daliri, Musco and Suresh, "Coupling without Communication and
+Drafter-Invariant Speculative Decoding", arXiv 2408.07978, 2024). A drafter that drafts with
+the same noise (``argmax(log q + g_t)``) is accepted wherever the two perturbed argmaxes agree,
+which happens with probability at least (1 - TV) / (1 + TV) for a total variation TV between
+p and q (the same paper); exact speculative sampling reaches 1 - TV, so this is a trade of a
+little acceptance for reproducibility.
+
+`PositionNoise` holds the request's 63-bit seed (one draw from the caller's generator, so a
+seeded generator reproduces the request) and makes the noise of rows and positions on demand
+in blocks of `BLOCK` positions, each block from a `torch.Generator` seeded by mixing (seed,
+row, block) with SplitMix64, so a position's noise is the same whichever step or call asks for
+it. It is drawn in float64 on the CPU (the same numbers for a CPU and a CUDA model) and cast to
+the distributions' dtype. Rows are the batch rows of the request (row 0 is the first prompt).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmspec.sampling import draw
+from mmspec.tree import ancestors, depths
+
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class PositionNoise:
+    """Gumbel(0, 1) noise [V] for every (row, position) of one request (see module docstring)."""
+
+    BLOCK = 16
+
+    def __init__(self, seed: int, vocab_size: int):
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        self.seed, self.vocab_size = seed, vocab_size
+        self._blocks: dict[int, dict[int, torch.Tensor]] = {}  # row -> block -> noise [BLOCK, V]
+
+    @classmethod
+    def for_request(cls, generator: torch.Generator | None, vocab_size: int) -> "PositionNoise":
+        """One draw from `generator` (torch's global generator when None) seeds the request."""
+        seed = int(draw(torch.randint, 0, 2**63 - 1, (1,), generator=generator))
+        return cls(seed, vocab_size)
+
+    def _block(self, row: int, block: int) -> torch.Tensor:
+        blocks = self._blocks.setdefault(row, {})
+        out = blocks.get(block)
+        if out is None:
+            mixed = _splitmix64(_splitmix64(_splitmix64(self.seed) ^ row) ^ block) & ((1 << 63) - 1)
+            gen = torch.Generator().manual_seed(mixed)
+            u = torch.rand(self.BLOCK, self.vocab_size, generator=gen, dtype=torch.float64)
+            tiny = torch.finfo(torch.float64).tiny
+            out = -torch.log((-torch.log(u.clamp_min(tiny))).clamp_min(tiny))
+            blocks[block] = out
+        return out
+
+    def gumbel(self, rows: list[int], starts: list[int], length: int, *, dtype=torch.float32,
+               device=None) -> torch.Tensor:
+        """Noise [len(rows), length, V] of positions start .. start + length - 1 of each row.
+        Blocks wholly before a row's start are forgotten (positions only move forwards)."""
+        B = self.BLOCK
+        out = []
+        for row, start in zip(rows, starts):
+            if start < 0:
+                raise ValueError(f"positions must be >= 0, got start {start} for row {row}")
+            first, last = start // B, (start + length - 1) // B
+            blocks = self._blocks.get(row, {})
+            for old in [b for b in blocks if b < first]:
+                del blocks[old]
+            if length == 0:
+                out.append(torch.zeros(0, self.vocab_size, dtype=torch.float64))
+                continue
+            blocks = torch.cat([self._block(row, b) for b in range(first, last + 1)], 0)
+            out.append(blocks[start - first * B: start - first * B + length])
+        return torch.stack(out, 0).to(device=device, dtype=dtype)
+
+    def perturb(self, probs: torch.Tensor, rows: list[int], starts: list[int],
+                parents: torch.Tensor | None = None) -> torch.Tensor:
+        """probs [R, M, V] -> the one-hot of ``argmax(log probs + g)`` [R, M, V]: the token
+        Gumbel-max sampling emits there. Position j of row i is ``starts[i] + j`` (a chain), or
+        with a tree's `parents` [R, M - 1] (``mmspec.tree`` layout, verify position 0 = root)
+        ``starts[i]`` + the depth of verify position j."""
+        R, M, V = probs.shape
+        offsets = None if parents is None else depths(ancestors(parents))
+        if V != self.vocab_size:
+            raise ValueError(f"probs have {V} tokens, the noise {self.vocab_size}")
+        length = M if offsets is None else int(offsets.max()) + 1  # SYNC: tree depths (host needs the span)
+        g = self.gumbel(rows, starts, length, dtype=probs.dtype, device=probs.device)
+        if offsets is not None:
+            g = g.gather(1, offsets.long().unsqueeze(-1).expand(R, M, V))
+        # log 0 = -inf: a token outside top-k / top-p can never win.
+        top = (probs.log() + g).argmax(-1)
+        return torch.nn.functional.one_hot(top, V).to(probs.dtype)
+
+
+class DraftsWithPositionNoise:
+    """Mixin of chain drafters that draw their drafts with the loop's noise when it offers it."""
+
+    _shared_noise = None  # set by the loop under acceptance="invariant"
+
+    def set_position_noise(self, noise) -> None:
+        """The loop's position-keyed Gumbel noise under acceptance="invariant" (``noise(n, dtype)
+        -> [B, n, V]`` for the n positions after the root), or None: chains then draft
+        ``argmax(log q + g)`` with the verifier's noise (distributed as q, accepted where the
+        perturbed argmaxes agree). Trees keep their top-k nodes."""
+        self._shared_noise = noise
