@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -106,6 +107,10 @@ def test_demo_image_section(folder, tmp_path):
     report = json.loads((tmp_path / "demo" / "imagegen_demo.json").read_text())
     assert [b["batch_size"] for b in report["batches"]] == [1, 8]
     assert all(m in text for m in DEMO_METHODS)
+    # acceptance="invariant": the Jacobi row shows the plain row's images (same seed).
+    rows = np.asarray(grid)[:, 170:].reshape(len(DEMO_METHODS), 16, -1, 3)
+    a, b = DEMO_METHODS.index("invariant/plain"), DEMO_METHODS.index("invariant/jacobi-gumbel")
+    assert np.array_equal(rows[a], rows[b]) and not np.array_equal(rows[a], rows[DEMO_METHODS.index("plain")])
 
 
 def test_train_imagegen_refuses_guidance_below_one_before_training():

@@ -375,7 +375,8 @@ def save(report: dict, path: str) -> None:
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
-DEMO_METHODS = ("plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal")
+DEMO_METHODS = ("plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal",
+                "invariant/plain", "invariant/jacobi-gumbel")  # the last two: the same images for a seed
 
 
 def demo(model: str, out_dir: str, progress=lambda m: None, threads: int = 2) -> str:
