@@ -416,14 +416,15 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         tokens, probs = [], []
         ended = self._stop.begin(B, device)
         steps = torch.arange(K, device=device)
-        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(K, torch.float32)
+        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(
+            K, torch.float64 if logits.dtype == torch.float64 else torch.float32)
         for i in range(K):
             if sampling.greedy:  # no q is returned for greedy drafts: the argmax is enough
                 d = logits.argmax(-1)
             else:
                 q = process_logits(logits, sampling)
                 if noise is not None:  # acceptance="invariant": Gumbel-max with the verifier's noise
-                    d = (q.log() + noise[:, i].to(q.dtype)).argmax(-1)
+                    d = (q / noise[:, i]).argmax(-1)
                 else:
                     d = sample_from(q, generator)
                 probs.append(q)

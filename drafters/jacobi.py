@@ -96,10 +96,10 @@ class JacobiDrafter:
         self._shared_noise = None
 
     def set_position_noise(self, noise) -> None:
-        """The loop's position-keyed Gumbel noise under acceptance="invariant" (a callable
-        ``noise(n, dtype) -> [B, n, V]`` for the next n positions), or None. With it every
-        coupling drafts ``argmax(log q + g)`` with the verifier's noise: the draft its greedy
-        check of the perturbed target accepts most often (still distributed as q)."""
+        """The loop's position-keyed race noise under acceptance="invariant" (a callable
+        ``noise(n, dtype) -> E [B, n, V]`` for the next n positions), or None. With it every
+        coupling drafts ``argmax(q / E)`` (Gumbel-max) with the verifier's noise: the draft its
+        greedy check of the perturbed target accepts most often (still distributed as q)."""
         self._shared_noise = noise
 
     def __repr__(self) -> str:
@@ -157,7 +157,7 @@ class JacobiDrafter:
             self._drafted = (tokens, None)
             return Draft(tokens=tokens, parents=chain_parents(B, N, device), draft_probs=None)
         if self._shared_noise is not None:  # acceptance="invariant": the verifier's own noise per position
-            tokens = (q.clamp_min(0).log() + self._shared_noise(N, q.dtype)).argmax(-1)
+            tokens = (q / self._shared_noise(N, q.dtype)).argmax(-1)  # = argmax(log q + g)
         elif self.coupling == "gumbel":
             self._fill_noise(N, generator)
             tokens = (q.clamp_min(0).log() + self.noise[:, :N].to(q.dtype)).argmax(-1)

@@ -208,11 +208,12 @@ class ModelDrafter(DraftsWithPositionNoise):
             return self._propose_tree(logits)
         tokens, probs = [], []
         ended = None if self.static else self._stop.begin(B, device)
-        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(K, torch.float32)
+        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(
+            K, torch.float64 if logits.dtype == torch.float64 else torch.float32)
         for i in range(K):
             q = process_logits(logits, sampling)
             if noise is not None:  # acceptance="invariant": Gumbel-max with the verifier's noise
-                d = (q.log() + noise[:, i].to(q.dtype)).argmax(-1)
+                d = (q / noise[:, i]).argmax(-1)
             else:
                 d = q.argmax(-1) if sampling.greedy else sample_from(q, generator)
             tokens.append(d)

@@ -523,7 +523,7 @@ class _Loop:
             self.drafter.cap_draft_length(max(limit - length - max(emitter.new_tokens[r] for r in rows), 0))
         starts = [emitter.new_tokens[r] for r in rows] if self.noise is not None else None
         if starts is not None and self._set_noise is not None:  # draft slot j sits at position starts + j
-            self._set_noise(lambda n, dtype, rows=rows, starts=starts: self.noise.gumbel(
+            self._set_noise(lambda n, dtype, rows=rows, starts=starts: self.noise.race(
                 rows, starts, n, dtype=dtype, device=self.roots.device))
         h0 = time.perf_counter()
         t0 = self.timer.mark()

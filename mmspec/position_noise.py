@@ -18,12 +18,18 @@ which happens with probability at least (1 - TV) / (1 + TV) for a total variatio
 p and q (the same paper); exact speculative sampling reaches 1 - TV, so this is a trade of a
 little acceptance for reproducibility.
 
-`PositionNoise` holds the request's 63-bit seed (one draw from the caller's generator, so a
-seeded generator reproduces the request) and makes the noise of rows and positions on demand
-in blocks of `BLOCK` positions, each block from a `torch.Generator` seeded by mixing (seed,
-row, block) with SplitMix64, so a position's noise is the same whichever step or call asks for
-it. It is drawn in float64 on the CPU (the same numbers for a CPU and a CUDA model) and cast to
-the distributions' dtype. Rows are the batch rows of the request (row 0 is the first prompt).
+Computed as an exponential race: with ``E = -log(u)`` i.i.d. Exp(1) (so ``g = -log E``),
+``argmax(log p + g) = argmax(p / E)``: one logarithm per noise value instead of two, none of p,
+and a token of probability 0 can never win. `PositionNoise` holds the request's 63-bit seed (one
+draw from the caller's generator, so a seeded generator reproduces the request) and makes the
+noise of rows and positions on demand in blocks of `BLOCK` positions, each block from a
+`torch.Generator` seeded by mixing (seed, row, block) with SplitMix64, so a position's noise is
+the same whichever step or call asks for it. It is drawn in float64 on the generator's device,
+as every draw of the loop (`mmspec.sampling.draw`): a CPU generator gives the same numbers for
+a CPU and a CUDA model, a CUDA generator draws on the GPU (faster for large vocabularies, other
+numbers). Each block is kept in the dtype and on the device it
+is asked for until the row's positions have moved past it. Rows are the batch rows of the
+request (row 0 is the first prompt).
 """
 
 from __future__ import annotations
@@ -44,72 +50,83 @@ def _splitmix64(x: int) -> int:
 
 
 class PositionNoise:
-    """Gumbel(0, 1) noise [V] for every (row, position) of one request (see module docstring)."""
+    """Exp(1) race noise [V] for every (row, position) of one request (see module docstring)."""
 
     BLOCK = 16
 
-    def __init__(self, seed: int, vocab_size: int):
+    def __init__(self, seed: int, vocab_size: int, device="cpu"):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         self.seed, self.vocab_size = seed, vocab_size
-        self._blocks: dict[int, dict[int, torch.Tensor]] = {}  # row -> block -> noise [BLOCK, V]
+        self.device = torch.device(device)
+        # row -> block -> {(dtype, device): noise [BLOCK, V]} (float64 on `device` always present)
+        self._blocks: dict[int, dict[int, dict]] = {}
 
     @classmethod
     def for_request(cls, generator: torch.Generator | None, vocab_size: int) -> "PositionNoise":
         """One draw from `generator` (torch's global generator when None) seeds the request."""
         seed = int(draw(torch.randint, 0, 2**63 - 1, (1,), generator=generator))
-        return cls(seed, vocab_size)
+        return cls(seed, vocab_size, generator.device if generator is not None else "cpu")
 
-    def _block(self, row: int, block: int) -> torch.Tensor:
-        blocks = self._blocks.setdefault(row, {})
-        out = blocks.get(block)
-        if out is None:
+    def _block(self, row: int, block: int, dtype, device) -> torch.Tensor:
+        copies = self._blocks.setdefault(row, {}).get(block)
+        if copies is None:
             mixed = _splitmix64(_splitmix64(_splitmix64(self.seed) ^ row) ^ block) & ((1 << 63) - 1)
-            gen = torch.Generator().manual_seed(mixed)
-            u = torch.rand(self.BLOCK, self.vocab_size, generator=gen, dtype=torch.float64)
-            tiny = torch.finfo(torch.float64).tiny
-            out = -torch.log((-torch.log(u.clamp_min(tiny))).clamp_min(tiny))
-            blocks[block] = out
+            gen = torch.Generator(device=self.device).manual_seed(mixed)
+            u = torch.rand(self.BLOCK, self.vocab_size, generator=gen, dtype=torch.float64, device=self.device)
+            # Exp(1) = -log(u); u = 0 (probability ~1e-16) would give inf: clamp to the smallest normal
+            exp1 = (-torch.log(u.clamp_min(torch.finfo(torch.float64).tiny))).clamp_min(torch.finfo(torch.float32).tiny)
+            copies = self._blocks[row][block] = {(torch.float64, self.device): exp1}
+        key = (dtype, torch.device(device) if device is not None else self.device)
+        out = copies.get(key)
+        if out is None:
+            out = copies[key] = copies[(torch.float64, self.device)].to(device=key[1], dtype=dtype)
         return out
 
-    def gumbel(self, rows: list[int], starts: list[int], length: int, *, dtype=torch.float32,
-               device=None) -> torch.Tensor:
-        """Noise [len(rows), length, V] of positions start .. start + length - 1 of each row.
-        Blocks wholly before a row's start are forgotten (positions only move forwards)."""
+    def race(self, rows: list[int], starts: list[int], length: int, *, dtype=torch.float32,
+             device=None) -> torch.Tensor:
+        """Exp(1) noise E [len(rows), length, V] of positions start .. start + length - 1 of each row
+        (the Gumbel-max token is ``argmax(p / E)``). Blocks wholly before a row's start are
+        forgotten (positions only move forwards)."""
         B = self.BLOCK
         out = []
         for row, start in zip(rows, starts):
             if start < 0:
                 raise ValueError(f"positions must be >= 0, got start {start} for row {row}")
-            first, last = start // B, (start + length - 1) // B
             blocks = self._blocks.get(row, {})
+            first, last = start // B, (start + length - 1) // B
             for old in [b for b in blocks if b < first]:
                 del blocks[old]
             if length == 0:
-                out.append(torch.zeros(0, self.vocab_size, dtype=torch.float64))
+                out.append(torch.zeros(0, self.vocab_size, dtype=dtype, device=device))
                 continue
-            blocks = torch.cat([self._block(row, b) for b in range(first, last + 1)], 0)
-            out.append(blocks[start - first * B: start - first * B + length])
-        return torch.stack(out, 0).to(device=device, dtype=dtype)
+            parts = [self._block(row, b, dtype, device) for b in range(first, last + 1)]
+            span = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+            out.append(span[start - first * B: start - first * B + length])
+        return torch.stack(out, 0)
+
+    def gumbel(self, rows: list[int], starts: list[int], length: int, *, dtype=torch.float32,
+               device=None) -> torch.Tensor:
+        """The same noise as Gumbel(0, 1) variables, ``g = -log E`` [len(rows), length, V]."""
+        return -torch.log(self.race(rows, starts, length, dtype=dtype, device=device))
 
     def perturb(self, probs: torch.Tensor, rows: list[int], starts: list[int],
                 parents: torch.Tensor | None = None) -> torch.Tensor:
-        """probs [R, M, V] -> the one-hot of ``argmax(log probs + g)`` [R, M, V]: the token
-        Gumbel-max sampling emits there. Position j of row i is ``starts[i] + j`` (a chain), or
-        with a tree's `parents` [R, M - 1] (``mmspec.tree`` layout, verify position 0 = root)
-        ``starts[i]`` + the depth of verify position j."""
+        """probs [R, M, V] -> the one-hot of ``argmax(log probs + g) = argmax(probs / E)`` [R, M, V]:
+        the token Gumbel-max sampling emits there. Position j of row i is ``starts[i] + j`` (a
+        chain), or with a tree's `parents` [R, M - 1] (``mmspec.tree`` layout, verify position 0 =
+        root) ``starts[i]`` + the depth of verify position j."""
         R, M, V = probs.shape
         offsets = None if parents is None else depths(ancestors(parents))
         if V != self.vocab_size:
             raise ValueError(f"probs have {V} tokens, the noise {self.vocab_size}")
         length = M if offsets is None else int(offsets.max()) + 1  # SYNC: tree depths (host needs the span)
-        g = self.gumbel(rows, starts, length, dtype=probs.dtype, device=probs.device)
+        e = self.race(rows, starts, length, dtype=probs.dtype, device=probs.device)
         if offsets is not None:
-            g = g.gather(1, offsets.long().unsqueeze(-1).expand(R, M, V))
-        # log 0 = -inf: a token outside top-k / top-p can never win.
-        top = (probs.log() + g).argmax(-1)
+            e = e.gather(1, offsets.long().unsqueeze(-1).expand(R, M, V))
+        top = (probs / e).argmax(-1)
         return torch.nn.functional.one_hot(top, V).to(probs.dtype)
 
 
@@ -119,8 +136,8 @@ class DraftsWithPositionNoise:
     _shared_noise = None  # set by the loop under acceptance="invariant"
 
     def set_position_noise(self, noise) -> None:
-        """The loop's position-keyed Gumbel noise under acceptance="invariant" (``noise(n, dtype)
-        -> [B, n, V]`` for the n positions after the root), or None: chains then draft
-        ``argmax(log q + g)`` with the verifier's noise (distributed as q, accepted where the
-        perturbed argmaxes agree). Trees keep their top-k nodes."""
+        """The loop's position-keyed race noise under acceptance="invariant" (``noise(n, dtype) ->
+        E [B, n, V]`` for the n positions after the root), or None: chains then draft
+        ``argmax(q / E)`` (= ``argmax(log q + g)``) with the verifier's noise (distributed as q,
+        accepted where the two perturbed argmaxes agree). Trees keep their top-k nodes."""
         self._shared_noise = noise

@@ -96,6 +96,30 @@ def test_cpu_generator_drives_rules_on_cuda():
     assert torch.equal(on_cpu.next_tokens, on_gpu.next_tokens.cpu())
 
 
+def test_invariant_sampling_on_cuda_matches_plain_and_the_cpu_for_a_cpu_generator():
+    """acceptance="invariant" on a CUDA model: speculative output equals plain output for a seed
+    with a CPU and with a CUDA generator; with a CPU generator also the CPU model's output."""
+    from mmspec.drafters import NullDrafter
+
+    target = tiny_llama(layers=2, seed=0)
+    small = noisy_copy(target, 0.3)
+    ids, mask = left_padded([5, 9, 3, 7])
+    kw = dict(acceptance="invariant", temperature=1.0, max_new_tokens=20, pad_token_id=0)
+
+    def run(model, drafter, gen, device):
+        return mmspec.speculative_generate(model, drafter, ids.to(device), mask.to(device), generator=gen, **kw).sequences
+
+    cpu = run(target, NullDrafter(40), torch.Generator().manual_seed(3), "cpu")
+    target_c, small_c = target.cuda(), small.cuda()
+    for gen in (torch.Generator().manual_seed(3), torch.Generator(device="cuda").manual_seed(3)):
+        seed = gen.initial_seed()
+        plain = run(target_c, NullDrafter(40), gen.manual_seed(seed), "cuda")
+        spec = run(target_c, ModelDrafter(small_c, 3), gen.manual_seed(seed), "cuda")
+        assert torch.equal(plain, spec)
+        if gen.device.type == "cpu":
+            assert torch.equal(plain.cpu(), cpu)
+
+
 def test_cpu_generator_drives_mar_noise_on_cuda():
     """The MAR sampler's noise (orders, x_T, per-step and final noise) with a CPU generator and a
     CUDA model: drawn on the CPU and moved, so the seed gives the numbers of a CPU run."""

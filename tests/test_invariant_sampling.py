@@ -130,12 +130,12 @@ def test_planted_bug_noise_shared_by_positions_fails_the_same_check(sharp_pair, 
     """Power: the same noise at every position of a row couples token 2 to token 3; the check
     above must see it."""
     target, small = sharp_pair
-    original = PositionNoise.gumbel
+    original = PositionNoise.race
 
     def same_for_every_position(self, rows, starts, length, **kw):
         return original(self, rows, [0] * len(rows), 1, **kw).expand(-1, length, -1)
 
-    monkeypatch.setattr(PositionNoise, "gumbel", same_for_every_position)
+    monkeypatch.setattr(PositionNoise, "race", same_for_every_position)
     sampling = mmspec.SamplingConfig(1.0, None)
     counts, expected, _ = _joint_counts(target, NullDrafter(VS), sampling)
     assert chi_square_p(counts, expected, SAMPLES) < 1e-6
@@ -154,6 +154,11 @@ def test_position_noise_is_keyed_by_row_and_position_only():
     # Gumbel(0, 1): KS against its CDF exp(-exp(-x)) over many rows and positions.
     big = PositionNoise(7, 50).gumbel(list(range(20)), [3] * 20, 30, dtype=torch.float64).flatten()
     assert sps.kstest(big.numpy(), sps.gumbel_r.cdf).pvalue > 1e-3
+    # The race form: E = exp(-g) is Exp(1), and argmax(p / E) = argmax(log p + g).
+    race = PositionNoise(7, 50).race([4], [3], 30, dtype=torch.float64)
+    assert torch.allclose(race.log(), -PositionNoise(7, 50).gumbel([4], [3], 30, dtype=torch.float64))
+    p = torch.softmax(torch.randn(1, 30, 50, dtype=torch.float64), -1)
+    assert torch.equal(PositionNoise(7, 50).perturb(p, [4], [3]).argmax(-1), (p.log() - race.log()).argmax(-1))
     with pytest.raises(ValueError, match="seed"):
         PositionNoise(-1, 7)
 
