@@ -6,7 +6,7 @@ import argparse
 
 
 def window_arg(text: str) -> int | str:
-    """A Jacobi window: "auto" (chosen by measurement) or an int >= 1."""
+    """A Jacobi window (or a tree's node count): "auto" (chosen by measurement) or an int >= 1."""
     return "auto" if text == "auto" else positive_int(text)
 
 

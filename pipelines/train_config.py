@@ -45,7 +45,7 @@ HELP = {
     "num_draft_tokens": "chain length K saved with the drafter (default %(default)s)",
     "tree_depth": "> 0: save the drafter with a dynamic tree of this depth (default %(default)s: chains)",
     "tree_top_k": "tree: children kept per node (default %(default)s)",
-    "tree_num_nodes": "tree: nodes verified per step (default %(default)s)",
+    "tree_num_nodes": "tree: nodes verified per step, or auto (chosen per request by measured speed) (default %(default)s)",
     "device": "cpu or cuda[:N] (default %(default)s)",
     "bf16": "train in bfloat16 autocast (CUDA only)",
     "save_every": "steps between checkpoints (default %(default)s)",
@@ -74,7 +74,7 @@ class TrainDrafterConfig:
     num_draft_tokens: int = 4
     tree_depth: int = 0  # > 0: save the drafter with a dynamic tree of this depth
     tree_top_k: int = 4
-    tree_num_nodes: int = 16
+    tree_num_nodes: int | str = 16  # or "auto"
     device: str = "cpu"
     bf16: bool = False
     save_every: int = 50
@@ -96,3 +96,7 @@ class TrainDrafterConfig:
         check_device(self.device, "--device")  # before the target is loaded and answers regenerated
         if self.bf16 and not self.device.startswith("cuda"):
             raise ValueError("bf16 training needs --device cuda")
+        if self.tree_depth:  # the saved tree, checked before any training (TypeError / ValueError by field)
+            from mmspec.types import TreeConfig
+
+            TreeConfig(self.tree_depth, self.tree_top_k, self.tree_num_nodes)

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from mmspec.cli_types import positive_int
+from mmspec.cli_types import positive_int, window_arg
 
 BUNDLED_VLM = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
 
@@ -155,7 +155,7 @@ def add_subparsers(sub) -> None:
         elif f.default is dataclasses.MISSING:
             p.add_argument(flag, required=True, help=HELP[f.name])
         else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+            kind = {"int": int, "float": float, "int | str": window_arg}.get(str(f.type), str)  # int | "auto"
             p.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_drafter)

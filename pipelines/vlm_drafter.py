@@ -9,7 +9,9 @@ pipeline component) holds the trainable part of one of mmspec's VLM drafters:
 
 `num_draft_tokens` is a fixed chain length or `"auto"` (the loop picks K in
 0..`max_draft_tokens`, default 6, per step from measured costs and acceptance; mmspec/adaptive.py;
-`max_draft_tokens` with a fixed length is refused).
+`max_draft_tokens` with a fixed length is refused). A tree drafter (`tree_depth > 0`) verifies
+`tree_num_nodes` nodes per step, or with `tree_num_nodes="auto"` a size chosen per request from
+measured speed (0 = plain decoding up to min(24, depth * top_k^2); `TreeConfig(num_nodes="auto")`).
 
 `build(target)` returns the runtime drafter for a target (checking that the head was built
 for it: width, vocabulary, image token). `PlainDecoding` drafts nothing, so
@@ -35,11 +37,15 @@ class DrafterComponent(ModelMixin, ConfigMixin):
 
     @register_to_config
     def __init__(self, kind: str = "eagle", head_config: dict | None = None, lm_config: dict | None = None,
-                 num_draft_tokens: int | str = 4, tree_depth: int = 0, tree_top_k: int = 0, tree_num_nodes: int = 0,
-                 max_draft_tokens: int | None = None):
+                 num_draft_tokens: int | str = 4, tree_depth: int = 0, tree_top_k: int = 0,
+                 tree_num_nodes: int | str = 0, max_draft_tokens: int | None = None):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+        if tree_num_nodes == "auto" and not tree_depth:
+            raise ValueError("tree_num_nodes='auto' chooses a tree's size: it needs tree_depth > 0")
+        if tree_depth:
+            TreeConfig(tree_depth, tree_top_k, tree_num_nodes)  # TypeError / ValueError naming a bad field
         if num_draft_tokens == "auto" and tree_depth:
             raise ValueError("num_draft_tokens='auto' is for chains; a tree drafter (tree_depth > 0) drafts tree_num_nodes")
         if num_draft_tokens != "auto" and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
@@ -80,7 +86,7 @@ class DrafterComponent(ModelMixin, ConfigMixin):
     @property
     def tree(self) -> TreeConfig | None:
         c = self.config
-        return TreeConfig(c.tree_depth, c.tree_top_k, c.tree_num_nodes) if c.tree_depth else None
+        return TreeConfig(c.tree_depth, c.tree_top_k, c.tree_num_nodes) if c.tree_depth else None  # "auto": adaptive
 
     def build(self, target):
         """The runtime drafter for `target` (an `HFTarget`); ValueError if built for another target."""
@@ -99,7 +105,14 @@ class DrafterComponent(ModelMixin, ConfigMixin):
 def _tree_fields(tree: TreeConfig | None) -> dict:
     if tree is None:
         return {}
-    return {"tree_depth": tree.depth, "tree_top_k": tree.top_k, "tree_num_nodes": tree.num_nodes}
+    nodes = tree.num_nodes
+    if tree.adaptive:  # saved as "auto", which rebuilds the default largest tree
+        if TreeConfig(tree.depth, tree.top_k, "auto").num_nodes != nodes:
+            raise ValueError(f"a saved drafter keeps an adaptive tree as tree_num_nodes='auto' (largest "
+                             f"min(24, depth*top_k^2)); TreeConfig(num_nodes={nodes}, adaptive=True) has another largest "
+                             "size: use TreeConfig(num_nodes='auto') or a fixed num_nodes")
+        nodes = "auto"
+    return {"tree_depth": tree.depth, "tree_top_k": tree.top_k, "tree_num_nodes": nodes}
 
 
 # Plain decoding through the same loop: the drafter that drafts nothing (shared with the

@@ -50,6 +50,20 @@ def test_bench_vlm_refuses_unknown_variant_drafters():
         main(["bench", "vlm", "--num-scenes", "1", "--length-drafters", "vispec"])
     with pytest.raises(SystemExit, match="tree_drafters .* without tree"):
         main(["bench", "vlm", "--num-scenes", "1", "--tree-drafters", "vispec"])
+    with pytest.raises(SystemExit, match="exceeds"):
+        main(["bench", "vlm", "--num-scenes", "1", "--tree", "2,2,9"])
+
+
+def test_bench_vlm_tree_of_measured_size(tmp_path):
+    """--tree DEPTH,TOP_K,auto: the saved drafter drafting trees whose size is chosen per request."""
+    cfg = VLMBenchConfig(num_scenes=2, batch_sizes=(1,), drafters=("eagle",), tasks=("caption",), max_new_tokens=8,
+                         repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 4), tree=(3, 2, "auto"),
+                         generate=False)
+    report = run(cfg)
+    (rows,) = [r["methods"] for r in report["runs"]]
+    assert list(rows) == ["plain", "eagle", "eagle+tree"]
+    assert all(r["identical_to_plain"] for r in rows.values())
+    assert report["model"]["trees"]["eagle+tree"] == [3, 2, "auto"]
 
 
 def test_bench_vlm_device_option():

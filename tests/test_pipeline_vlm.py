@@ -257,3 +257,32 @@ def test_auto_draft_length_drafters_save_load_and_answer_like_plain(parts, tmp_p
     with pytest.raises(ValueError, match="'auto' is for chains"):
         DrafterComponent(kind="eagle", head_config=base["eagle"].config.head_config, num_draft_tokens="auto",
                          tree_depth=3, tree_top_k=2, tree_num_nodes=6)
+
+
+def test_auto_tree_size_drafters_save_load_and_answer_like_plain(parts, tmp_path):
+    """tree_num_nodes='auto' (TreeConfig(num_nodes='auto'): the tree's size chosen per request,
+    0 = plain): saved as "auto", rebuilt adaptive, answers equal plain decoding; a tree of another
+    largest size or 'auto' without a tree is refused by name."""
+    model, processor = parts
+    head = EagleHead(EagleHeadConfig.for_target(model)).double()
+    comp = DrafterComponent.from_head(head, 3, mmspec.TreeConfig(depth=3, top_k=2, num_nodes="auto"))
+    assert comp.config.tree_num_nodes == "auto" and comp.tree.adaptive and comp.tree.num_nodes == 12
+    pipe = SpeculativeVLMPipeline(model, processor)
+    pipe.add_drafter("eagle-tree-auto", comp)
+    images = random_images(4, seed=6)
+    plain = pipe(images, PROMPTS, max_new_tokens=12, speculative=False)
+    for _ in range(3):  # requests move the bandit between sizes
+        assert pipe(images, PROMPTS, max_new_tokens=12, batch_size=2).texts == plain.texts
+    assert pipe._check_drafter(pipe.drafter).tree.adaptive
+    pipe.save_pretrained(tmp_path / "pipe")
+    again = SpeculativeVLMPipeline.from_pretrained(tmp_path / "pipe", dtype=torch.float64)
+    again.load_drafter("eagle-tree-auto")
+    assert again.drafter.config.tree_num_nodes == "auto" and again.drafter.tree.adaptive
+    assert again(images, PROMPTS, max_new_tokens=12).texts == plain.texts
+    with pytest.raises(ValueError, match="another largest"):
+        DrafterComponent.from_head(head, 3, mmspec.TreeConfig(depth=3, top_k=2, num_nodes=8, adaptive=True))
+    with pytest.raises(ValueError, match="needs tree_depth"):
+        DrafterComponent(kind="eagle", head_config=comp.config.head_config, tree_num_nodes="auto")
+    with pytest.raises(ValueError, match="exceeds"):
+        DrafterComponent(kind="eagle", head_config=comp.config.head_config, tree_depth=2, tree_top_k=2,
+                         tree_num_nodes=9)

@@ -165,3 +165,18 @@ def test_a_malformed_scenes_index_is_refused_naming_file_and_line(tmp_path):
         data_items(config)
     (tmp_path / "scenes.jsonl").write_text('{"image": "a.png", "qa": [["what ?", "it"]]}\n{"image": "b.png"}\n')
     assert [p.name for p, _ in data_items(config)] == ["a.png", "b.png"]
+
+
+def test_saved_tree_settings_are_checked_before_training_and_auto_is_accepted(tmp_path):
+    """--tree-num-nodes takes an int or auto; a tree the drafter could not hold is refused when the
+    options are read (before: after the whole training run, when the drafter was saved)."""
+    from mmspec.cli import main
+
+    with pytest.raises(SystemExit, match="exceeds"):
+        main(["train-drafter", "--pipeline", "-", "--drafter", "eagle", "--out", str(tmp_path / "x"),
+              "--tree-depth", "2", "--tree-top-k", "2", "--tree-num-nodes", "9"])
+    with pytest.raises(SystemExit):  # argparse: neither an int nor auto
+        main(["train-drafter", "--pipeline", "-", "--drafter", "eagle", "--out", str(tmp_path / "x"),
+              "--tree-num-nodes", "many"])
+    config = TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", tree_depth=3, tree_top_k=2, tree_num_nodes="auto")
+    assert config.tree_num_nodes == "auto"

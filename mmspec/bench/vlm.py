@@ -50,8 +50,9 @@ class VLMBenchConfig:
     threads: int | None = None
     seed: int = 0
     verify_widths: tuple[int, ...] = (1, 2, 4, 6, 8, 16)
-    # (depth, top_k, num_nodes): also run every drafter with this dynamic tree ("<name>+tree")
-    tree: tuple[int, int, int] | None = None
+    # (depth, top_k, num_nodes): also run every drafter with this dynamic tree ("<name>+tree");
+    # num_nodes "auto": the tree's size chosen per request by measured speed
+    tree: tuple[int, int, int | str] | None = None
     tree_drafters: tuple[str, ...] = ()  # () = every drafter benchmarked
     # also run these drafters with num_draft_tokens="auto" (K picked per step, "<name>+auto")
     auto_drafters: tuple[str, ...] = ()
@@ -71,8 +72,13 @@ class VLMBenchConfig:
         bad = [t for t in self.tasks if t not in TASKS]
         if bad or not self.tasks:
             raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {self.tasks}")
-        if self.tree is not None and (len(self.tree) != 3 or min(self.tree) < 1):
-            raise ValueError(f"tree must be three ints >= 1 (depth, top_k, num_nodes), got {self.tree}")
+        if self.tree is not None:
+            if len(self.tree) != 3 or not all(isinstance(v, int) and v >= 1 for v in self.tree[:2]):
+                raise ValueError(f"tree must be (depth, top_k, num_nodes): ints >= 1, num_nodes also 'auto'; got "
+                                 f"{self.tree}")
+            from mmspec.types import TreeConfig
+
+            TreeConfig(*self.tree)  # num_nodes: an int >= 1 that the tree can hold, or "auto"
         if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.draft_lengths):
             raise ValueError(f"draft_lengths must be ints >= 1, got {self.draft_lengths}")
         # a variant named twice would be registered (and timed) twice under one row name
@@ -305,7 +311,10 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
 
 def _shape(model: dict, name: str) -> str:
     tree = model.get("trees", {}).get(name)
-    return f"tree depth {tree[0]} top-k {tree[1]} {tree[2]} nodes" if tree else f"K={model['num_draft_tokens'][name]}"
+    if tree:
+        nodes = "auto nodes (by measured speed)" if tree[2] == "auto" else f"{tree[2]} nodes"
+        return f"tree depth {tree[0]} top-k {tree[1]} {nodes}"
+    return f"K={model['num_draft_tokens'][name]}"
 
 
 def format_table(report: dict) -> str:
@@ -385,6 +394,10 @@ def main(argv: list[str]) -> int:
     def ints(text):
         return tuple(int(x) for x in text.split(",") if x.strip())
 
+    def tree(text):  # DEPTH,TOP_K,NODES with NODES an int or "auto"
+        parts = [x.strip() for x in text.split(",") if x.strip()]
+        return tuple(int(x) for x in parts[:2]) + tuple(x if x == "auto" else int(x) for x in parts[2:])
+
     def names(text):
         return tuple(x for x in text.split(",") if x.strip())
 
@@ -398,8 +411,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed rounds (median)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree", type=ints, default=None,
-                   help="DEPTH,TOP_K,NODES: also run every drafter with this dynamic tree (method <name>+tree)")
+    p.add_argument("--tree", type=tree, default=None,
+                   help="DEPTH,TOP_K,NODES: also run every drafter with this dynamic tree (method <name>+tree); "
+                        "NODES may be auto (the tree's size chosen per request by measured speed)")
     p.add_argument("--tree-drafters", type=names, default=(), help="drafters to run with --tree (default: all)")
     p.add_argument("--auto-drafters", type=names, default=(),
                    help="also run these drafters with the adaptive draft length (method <name>+auto)")
