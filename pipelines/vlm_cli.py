@@ -54,7 +54,7 @@ def _run(args, images, prompts) -> int:
         raise SystemExit(f"mmspec {args.command}: {e}") from None
     speculative = pipe.drafter is not None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
-                   generator=torch.Generator().manual_seed(args.seed))
+                   acceptance=args.acceptance, generator=torch.Generator().manual_seed(args.seed))
     try:
         out = pipe(images, prompts, speculative=speculative, **options)
         plain = None
@@ -87,6 +87,9 @@ def _run(args, images, prompts) -> int:
         if plain is not None:
             line += (f"; plain {plain.stats.total_seconds:.2f}s, speed-up {report['speedup']:.2f}x, answers "
                      + ("identical" if report["identical_to_plain"] else "DIFFER"))
+            if not report["identical_to_plain"] and args.temperature > 0 and args.acceptance != "invariant":
+                line += (f" (sampled: --acceptance {args.acceptance} draws other tokens than plain sampling for a seed, "
+                         "from the same distribution; --acceptance invariant gives plain sampling's answers)")
         print(line)
     return 1 if any(e is not None for e in out.errors) else 0
 
@@ -126,6 +129,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--acceptance", default="exact",
+                   help="exact (default), invariant (sampled answers equal plain sampling's for a seed), typical, ...")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")

@@ -27,6 +27,19 @@ def saved(tmp_path_factory):
     return d
 
 
+def test_sampled_captions_with_invariant_acceptance_equal_plain_sampling(saved, capsys):
+    args = ["caption", str(saved / "0.png"), str(saved / "1.png"), "--model", str(saved / "pipe"), "--compare",
+            "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "3"]
+    assert main(args + ["--acceptance", "invariant", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["identical_to_plain"] is True
+    main(args + ["--acceptance", "exact"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    # exact sampling draws other tokens for the seed; the line says why and what to use
+    assert "identical" in line or "--acceptance invariant gives plain sampling's answers" in line
+    with pytest.raises(SystemExit, match="not a known rule"):
+        main(args + ["--acceptance", "nope"])
+
+
 def test_caption_compare_json_reports_each_item(saved, capsys):
     code = main(["caption", str(saved / "0.png"), str(saved / "missing.png"), str(saved / "1.png"), "--model",
                  str(saved / "pipe"), "--compare", "--json", "--max-new-tokens", "6", "--batch-size", "2"])
