@@ -4,7 +4,8 @@
 #             trees; the attention-backend choice; a CPU generator driving a rule on CUDA tensors),
 #   vlm       `mmspec bench vlm --device cuda` on the bundled testbed VLM (captions and VQA, batch 1 and 4),
 #   imagegen  `mmspec bench imagegen --device cuda` on the bundled testbed generator (batch 1 and 8;
-#             speed only: the judge's quality figures are the CPU run's, same seeds),
+#             speed only: the judge's quality figures are the CPU run's, same seeds; exact, invariant
+#             and LANTERN Jacobi rows, fixed and auto windows, the small-model drafter),
 #   mar       `mmspec bench mar --device cuda` on the bundled testbed MAR pair (batch 1 and 8; plain,
 #             exact and relaxed CSpD and the fewer-steps rows; speed only): on the GPU a CSpD verify's
 #             prefix sequences are extra rows of one forward, on the CPU each costs a plain step,
@@ -60,6 +61,7 @@ fi
 if step imagegen; then
 echo "== bench imagegen on the GPU: the testbed generator at batch 1 and 8 ($(left) s left)"
 bounded $(( $(left) > 240 ? 200 : $(left) - 40 )) python3 -m mmspec.cli bench imagegen --model "$ROOT/assets/testbed/imagegen" --device cuda --judge-images 0 --repeats 2 \
+  --methods plain,invariant/plain,exact/jacobi-maximal,exact/jacobi-gumbel@8,exact/jacobi-gumbel@auto,invariant/jacobi-gumbel,invariant/jacobi-gumbel@8,invariant/jacobi-gumbel@auto,lantern/jacobi-maximal,exact/model,exact/model@auto \
   --json "$OUT/bench_imagegen_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 fi
 
