@@ -411,7 +411,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         feats = self._prefill_head(roots) if self.kv is None else self._catch_up(roots)  # [B, H] at the root
         logits = self.logits(feats)
         if self.tree is not None:
-            return self._propose_tree(feats, logits)
+            return self._propose_tree(feats, logits, sampling)
         K = self.k
         tokens, probs = [], []
         ended = self._stop.begin(B, device)
@@ -528,7 +528,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self.kv.advance(self.pending_count, self.pending_host)
         return out[rows, self.pending_count - 1]
 
-    def _propose_tree(self, root_feats, root_logits) -> Draft:
+    def _propose_tree(self, root_feats, root_logits, sampling: SamplingConfig) -> Draft:
         B = root_feats.shape[0]
         k = self.tree.top_k
         rows = torch.arange(B, device=root_feats.device).unsqueeze(1)
@@ -541,7 +541,8 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
             state["out"] = out
             return self.logits(out)
 
-        return grow_tree(root_logits, self.tree, expand, num_nodes=self.k)
+        return grow_tree(root_logits, self.tree, expand, num_nodes=self.k,
+                         **self._tree_noise(self.tree.depth, sampling, torch.float64))
 
 
 def check_head_fits(config: EagleHeadConfig, target, spec) -> None:

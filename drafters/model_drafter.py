@@ -205,7 +205,7 @@ class ModelDrafter(DraftsWithPositionNoise):
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         logits = self._catch_up(roots)  # [B, V] at the root
         if self.tree is not None:
-            return self._propose_tree(logits)
+            return self._propose_tree(logits, sampling)
         tokens, probs = [], []
         ended = None if self.static else self._stop.begin(B, device)
         noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(
@@ -327,7 +327,7 @@ class ModelDrafter(DraftsWithPositionNoise):
         self.runner.advance(self.pending_count + 1, [c + 1 for c in self.pending_host])
         return out.logits[:, -1] if aligned else out.logits[rows, self.pending_count]
 
-    def _propose_tree(self, root_logits: torch.Tensor) -> Draft:
+    def _propose_tree(self, root_logits: torch.Tensor, sampling: SamplingConfig) -> Draft:
         B, k = root_logits.shape[0], self.tree.top_k
 
         def expand(frontier_tokens, parent_slot, level, vis, region):
@@ -336,6 +336,6 @@ class ModelDrafter(DraftsWithPositionNoise):
             return self.runner.forward(frontier_tokens, depth, vis, region).logits  # [B, k, V]
 
         draft = grow_tree(root_logits, self.tree, expand, num_nodes=self.k if self.adaptive else None,
-                          score_dtype=torch.float32)
+                          score_dtype=torch.float32, **self._tree_noise(self.tree.depth, sampling, torch.float32))
         self._drafted = draft.tokens.shape[1]
         return draft

@@ -139,5 +139,13 @@ class DraftsWithPositionNoise:
         """The loop's position-keyed race noise under acceptance="invariant" (``noise(n, dtype) ->
         E [B, n, V]`` for the n positions after the root), or None: chains then draft
         ``argmax(q / E)`` (= ``argmax(log q + g)``) with the verifier's noise (distributed as q,
-        accepted where the two perturbed argmaxes agree). Trees keep their top-k nodes."""
+        accepted where the two perturbed argmaxes agree); trees rank each level's children by
+        ``log q - log E`` (Gumbel top-k, `drafters.tree_grow.grow_tree`)."""
         self._shared_noise = noise
+
+    def _tree_noise(self, depth: int, sampling, dtype) -> dict:
+        """`grow_tree`'s noise arguments for a tree of `depth` levels (none without the loop's noise
+        or when decoding greedily)."""
+        if self._shared_noise is None or sampling.greedy:
+            return {}
+        return {"noise": self._shared_noise(depth, dtype), "sampling": sampling}

@@ -92,6 +92,12 @@ def test_small_model_drafts_use_the_verifiers_noise(pair):
     out = mmspec.speculative_generate(target, ModelDrafter(target, 4), ids, mask, acceptance="invariant",
                                       max_new_tokens=21, generator=torch.Generator().manual_seed(3))
     assert out.stats.accepted_drafts == out.stats.drafted_nodes > 0
+    # Trees rank each level by log q - log E (Gumbel top-k): the best path is the chain, accepted
+    # to the full depth (without the noise a top-k tree of the same drafter accepts ~1 in 20 here).
+    tree = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)
+    out = mmspec.speculative_generate(target, ModelDrafter(target, tree=tree), ids, mask, acceptance="invariant",
+                                      max_new_tokens=21, generator=torch.Generator().manual_seed(3))
+    assert out.stats.verified_accepted / out.stats.row_steps > 2.5  # depth 3 (the last steps have fewer left)
 
 
 SAMPLES = 12000
