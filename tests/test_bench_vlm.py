@@ -4,6 +4,7 @@ and unknown variant drafters are refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -94,3 +95,21 @@ def test_bench_vlm_device_option():
     cfg = VLMBenchConfig(num_scenes=1, batch_sizes=(1,), drafters=("vispec",), tasks=("caption",), max_new_tokens=4,
                          repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 2), generate=False, device="cpu")
     assert run(cfg)["model"]["device"] == "cpu"
+
+
+def test_bench_vlm_sampled_with_invariant_acceptance():
+    """--temperature 0.8 --acceptance invariant: sampled answers, every row identical to plain
+    sampling for the seeds (chains and trees); other rules and the generate peer are refused."""
+    cfg = VLMBenchConfig(num_scenes=3, batch_sizes=(2,), drafters=("vispec",), tasks=("caption",), max_new_tokens=10,
+                         repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 4), tree=(3, 2, 6),
+                         generate=False, temperature=0.8, acceptance="invariant")
+    report = run(cfg)
+    (rows,) = [r["methods"] for r in report["runs"]]
+    assert list(rows) == ["plain", "vispec", "vispec+tree"]
+    assert all(r["identical_to_plain"] for r in rows.values())
+    greedy = run(dataclasses.replace(cfg, temperature=0.0, tree=None))
+    assert greedy["runs"][0]["sample"] != report["runs"][0]["sample"]  # sampled, not greedy, answers
+    with pytest.raises(ValueError, match="acceptance='invariant' only"):
+        VLMBenchConfig(temperature=0.8, generate=False)
+    with pytest.raises(ValueError, match="--no-generate"):
+        VLMBenchConfig(temperature=0.8, acceptance="invariant")

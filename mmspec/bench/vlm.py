@@ -62,6 +62,10 @@ class VLMBenchConfig:
     draft_lengths: tuple[int, ...] = ()
     length_drafters: tuple[str, ...] = ()  # () = every drafter benchmarked
     generate: bool = True  # also time transformers' own greedy `generate` (row "generate", the peer)
+    # Sampled answers (temperature > 0) with acceptance="invariant": every method answers exactly like
+    # plain sampling for the same seeds, so rows stay comparable (other rules draw other answers).
+    temperature: float = 0.0
+    acceptance: str = "exact"
     device: str = "cpu"  # where the pipeline runs ("cuda": a GPU; timings synchronise the device)
 
     def __post_init__(self):
@@ -92,6 +96,15 @@ class VLMBenchConfig:
         if self.length_drafters and not self.draft_lengths:
             raise ValueError("length_drafters (--length-drafters) without draft_lengths (--draft-lengths K,...): pass both")
         check_device(self.device)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature > 0 and self.acceptance != "invariant":
+            raise ValueError(f"temperature={self.temperature} with acceptance={self.acceptance!r}: the bench compares "
+                             "methods on identical answers, which sampled decoding gives with acceptance='invariant' "
+                             "only (pass --acceptance invariant)")
+        if self.temperature > 0 and self.generate:
+            raise ValueError("transformers' generate (the peer row) samples with its own random numbers: pass "
+                             "--no-generate with --temperature > 0")
         if 1 not in self.verify_widths:
             raise ValueError("verify_widths must include 1 (the one-token forward every ratio is taken against)")
 
@@ -150,13 +163,14 @@ def task_items(scenes, task: str) -> tuple[list, list]:
 GENERATE = "generate"  # transformers' own greedy `generate` on the same model and inputs (the peer)
 
 
-def _run(pipe, method: str, images, prompts, B: int, max_new_tokens: int):
+def _run(pipe, method: str, images, prompts, B: int, cfg: VLMBenchConfig, seed: int):
     if method == GENERATE:
-        return _run_generate(pipe, images, prompts, max_new_tokens)
+        return _run_generate(pipe, images, prompts, cfg.max_new_tokens)
     if method != "plain":
         pipe.load_drafter(method)
     t0 = time.perf_counter()
-    out = pipe(images, prompts, max_new_tokens=max_new_tokens, speculative=method != "plain", batch_size=B)
+    out = pipe(images, prompts, max_new_tokens=cfg.max_new_tokens, speculative=method != "plain", batch_size=B,
+               temperature=cfg.temperature, acceptance=cfg.acceptance, generator=torch.Generator().manual_seed(seed))
     return out, time.perf_counter() - t0
 
 
@@ -203,7 +217,7 @@ def run_round(pipe, methods, images, prompts, B: int, cfg: VLMBenchConfig) -> di
     for start in range(0, len(images), B):
         chunk = slice(start, start + B)
         for m in methods:
-            out, wall = _run(pipe, m, images[chunk], prompts[chunk], B, cfg.max_new_tokens)
+            out, wall = _run(pipe, m, images[chunk], prompts[chunk], B, cfg, cfg.seed + start)  # same seeds per chunk
             a, s = acc[m], out.stats
             a["wall"] += wall
             a["texts"] += out.texts
@@ -323,6 +337,10 @@ def format_table(report: dict) -> str:
              + ", ".join(f"{n} ({m['drafter_kinds'][n]}, {p / 1e6:.2f}M, {_shape(m, n)})"
                          for n, p in m["drafter_parameters"].items())
              + f"; default {m['default_drafter']}; threads {m['torch_threads']}; device {m.get('device', 'cpu')}"]
+    c = report.get("config", {})
+    if c.get("temperature", 0) > 0:
+        lines[0] += (f"; sampled at temperature {c['temperature']} with acceptance={c['acceptance']!r} "
+                     "('identical': the same answers as plain sampling for the seeds)")
     for r in report["runs"]:
         ratio = r["verify_cost"]["ratio_to_one_token"]
         lines.append(f"\n{r['task']}, batch {r['batch_size']}, {r['scenes']} scenes; verify cost / one-token forward: "
@@ -423,6 +441,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--length-drafters", type=names, default=(),
                    help="drafters to run with --draft-lengths (default: all)")
     p.add_argument("--no-generate", action="store_true", help="do not time transformers' own generate beside plain")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: sampled answers (with --acceptance invariant and --no-generate; default 0 = greedy)")
+    p.add_argument("--acceptance", default="exact", help="rule of every speculative row (default exact; "
+                   "invariant for sampled answers that equal plain sampling's)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
     a = p.parse_args(argv)
@@ -432,7 +454,8 @@ def main(argv: list[str]) -> int:
                                 repeats=a.repeats, threads=a.threads, seed=a.seed, tree=a.tree,
                                 tree_drafters=a.tree_drafters, auto_drafters=a.auto_drafters,
                                 auto_max_draft_tokens=a.auto_max_draft_tokens, draft_lengths=a.draft_lengths,
-                                length_drafters=a.length_drafters, generate=not a.no_generate, device=a.device)
+                                length_drafters=a.length_drafters, generate=not a.no_generate, device=a.device,
+                                temperature=a.temperature, acceptance=a.acceptance)
         report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None
