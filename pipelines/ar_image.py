@@ -12,7 +12,10 @@ a null class drafts unguided, which stays exact but is accepted less often), a `
 `pipe.drafter = JacobiDrafter(...)` swaps drafters like a diffusers scheduler; the settings are
 saved with the pipeline (`drafter_config`). `speculative=False` decodes one token per forward
 through the same target code (`NullDrafter`), which is the baseline every speed-up is
-measured against. `acceptance` takes any rule name or object; named rules that need tables
+measured against. With `acceptance="invariant"` (Gumbel-max sampling with noise keyed by seed,
+row and position) `speculative=False` keeps that rule, so a seed gives the same images with and
+without speculation, whatever the drafter or window; with any other rule plain decoding samples
+exactly (`"exact"`). `acceptance` takes any rule name or object; named rules that need tables
 get them from the pipeline (LANTERN: the VQ codebook, and by default `k` = the same
 fraction of the codebook as LANTERN's k=1000 of LlamaGen's 16384 codes, see `lantern_k`; GSD:
 the GPT's token embeddings). `pipe.prepack` ("auto", False, True) sets the linear kernels of

@@ -17,7 +17,8 @@ Prompts go through the processor's chat template (one image, then the text); `No
 with `caption_prompt`; a prompt that already contains the image placeholder is used verbatim.
 `speculative=False` decodes plainly through the same loop and target code (a drafter that
 drafts nothing), so both paths are compared like for like. Greedy (`temperature=0`) output is
-identical either way; `acceptance="exact"` keeps sampled output distributed like the target.
+identical either way; `acceptance="exact"` keeps sampled output distributed like the target, and
+`acceptance="invariant"` also keeps it identical to plain sampling for a seed (with every drafter).
 `batch_size` splits the items into batches (image items and text-only items never share one);
 once there is more than one batch a progress bar counts the items done
 (`pipe.set_progress_bar_config(disable=True)` silences it).
