@@ -68,3 +68,35 @@ def test_compare_vlm_refuses_bad_counts():
     with pytest.raises(SystemExit) as stop:  # an argument error (mmspec.cli_types.positive_int)
         main(["testbed", "compare-vlm", "assets/testbed/vlm", "assets/testbed/vlm", "--threads", "0"])
     assert stop.value.code == 2
+
+
+def test_wilson_interval_matches_scipy():
+    from scipy.stats import binomtest
+
+    from mmspec.testbed.vlm_compare import wilson
+
+    for k, n in ((159, 200), (0, 12), (12, 12), (1515, 2000)):
+        ref = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert wilson(k, n) == pytest.approx([ref.low, ref.high], abs=1e-6)
+
+
+def test_eval_vlm_cli_reports_rates_with_intervals(tmp_path, capsys):
+    """On the bundle's first 8 validation scenes, the figures of train-vlm's own checks
+    (`vlm_eval.evaluate`, the same scenes), each with its 95% interval."""
+    from mmspec.bench.vlm import load_pipeline
+    from mmspec.cli import main
+    from mmspec.testbed.vlm_eval import evaluate, scene_size
+    from mmspec.testbed.world import World
+
+    out = tmp_path / "eval.json"
+    assert main(["testbed", "eval-vlm", "--scenes", "8", "--no-progress", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    pipe = load_pipeline("assets/testbed/vlm")
+    ref = evaluate(pipe, World(seed=0, split="validation", image_size=scene_size(pipe.processor)).sample(8),
+                   max_new_tokens=40, progress=False)
+    assert r["caption_correct"] == ref["caption_correct"] and r["vqa_accuracy"] == ref["vqa_accuracy"]
+    lo, hi = r["caption_correct_ci95"]
+    assert 0 <= lo <= r["caption_correct"] <= hi <= 1 and "95% CI" in text
+    with pytest.raises(SystemExit, match="--scenes must be >= 1"):
+        main(["testbed", "eval-vlm", "--scenes", "0"])

@@ -1,4 +1,7 @@
-"""Does a retrained testbed VLM reproduce another one? `mmspec testbed compare-vlm A B`.
+"""Does a retrained testbed VLM reproduce another one? `mmspec testbed compare-vlm A B`. And how
+good is one, on as many scenes as you like? `mmspec testbed eval-vlm [--model DIR] [--scenes N]`
+(caption correctness and VQA accuracy with Wilson 95% intervals, by object count and error kind;
+train-vlm's own eval uses the first 200 validation scenes, the same scenes as N = 200 here).
 
 Both pipelines answer the same validation scenes (plain greedy, `vlm_eval.evaluate`), so
 their caption and VQA outcomes are paired scene by scene. For each check it reports the two
@@ -66,6 +69,42 @@ def compare(dir_a: str, dir_b: str, *, scenes: int = 200, seed: int = 0, max_new
     return out
 
 
+def wilson(k: int, n: int, z: float = 1.959964) -> list[float]:
+    """95% Wilson score interval of a proportion k / n."""
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [centre - half, centre + half]
+
+
+def cmd_eval_vlm(args) -> int:
+    import torch
+
+    from mmspec.bench.vlm import DEFAULT_MODEL, load_pipeline
+    from mmspec.testbed.vlm_eval import evaluate, scene_size
+    from mmspec.testbed.world import World
+
+    if args.scenes < 1:
+        raise SystemExit(f"mmspec testbed eval-vlm: --scenes must be >= 1, got {args.scenes}")
+    torch.set_num_threads(args.threads)
+    pipe = load_pipeline(args.model or DEFAULT_MODEL)
+    val = World(seed=args.seed, split="validation", image_size=scene_size(pipe.processor)).sample(args.scenes)
+    r = evaluate(pipe, val, max_new_tokens=40, progress=not args.no_progress)
+    n = r["scenes"]
+    for key, label in (("caption_correct", "caption correctness"), ("vqa_accuracy", "VQA accuracy (synonyms)")):
+        k = round(r[key] * n)
+        r[key + "_ci95"] = wilson(k, n)
+        print(f"{label:24s} {r[key]:.1%} ({k}/{n}) [95% CI {r[key + '_ci95'][0]:.1%}, {r[key + '_ci95'][1]:.1%}]")
+    print(f"{'captions, visible objects':24s} {r['caption_correct_visible_objects']:.1%}")
+    print("captions by objects in the scene: " + ", ".join(f"{o}: {a}/{b}" for o, (a, b) in r["caption_by_objects"].items()))
+    print("caption errors: " + ", ".join(f"{k} {v}" for k, v in sorted(r["caption_errors"].items())))
+    print("VQA by kind: " + ", ".join(f"{k}: {a}/{b}" for k, (a, b) in r["vqa_by_kind"].items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in r.items() if k != "examples"}, f, indent=2)
+    return 0
+
+
 def format_comparison(r: dict) -> str:
     lines = [f"A = {r['a']}\nB = {r['b']}\n{r['scenes']} validation scenes (seed {r['seed']}), plain greedy, paired"]
     for label in ("captions", "vqa"):
@@ -98,3 +137,11 @@ def add_compare_command(sub) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_compare_vlm)
+    p = sub.add_parser("eval-vlm", help="caption correctness and VQA accuracy of a testbed VLM, with 95% intervals")
+    p.add_argument("--model", default=None, help="a SpeculativeVLMPipeline folder (default: the bundled VLM)")
+    p.add_argument("--scenes", type=int, default=200, help="validation scenes (default 200, as train-vlm's eval)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_eval_vlm)
