@@ -52,6 +52,15 @@ class DrafterInvariantAcceptance(GreedyAcceptance):
                 "mmspec.position_noise.PositionNoise.perturb(p, rows, starts)), got distributions that are not one-hot")
         return self.verify_unchecked(draft_tokens, draft_probs, target_probs, generator=generator)
 
+    def verify_top(self, draft_tokens: torch.Tensor, top: torch.Tensor) -> AcceptanceResult:
+        """The chain verdict from the perturbed argmax tokens themselves, `top` [B, K+1] (what the
+        loop computes; the same result as `verify` on their one-hots, without building them)."""
+        K = draft_tokens.shape[1]
+        match = top[:, :K] == draft_tokens
+        num_accepted = match.long().cumprod(1).sum(1)
+        return AcceptanceResult(num_accepted, top.gather(1, num_accepted.unsqueeze(1)).squeeze(1), None,
+                                match.to(torch.float32))
+
     def at_temperature_zero(self):
         """Greedy decoding has no noise: greedy verification."""
         return GreedyAcceptance()

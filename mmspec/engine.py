@@ -495,9 +495,8 @@ class _Loop:
         if not bool(_finite(tout.logits[:, -1], probs, self.sampling)):  # SYNC: once, after prefill
             raise ValueError("non-finite probabilities (NaN or inf) from the target's prefill; check the model's dtype "
                              "and inputs (the output would be silently wrong)")
-        if self.noise is not None:
-            probs = self.noise.perturb(probs.unsqueeze(1), emitter.rows_host, [0] * len(emitter.rows_host))[:, 0]
-        self.roots = self.rule.sample(probs, self.generator)
+        self.roots = (self.rule.sample(probs, self.generator) if self.noise is None
+                      else self.noise.argmax(probs.unsqueeze(1), emitter.rows_host, [0] * len(emitter.rows_host))[:, 0])
         t0 = self.timer.mark()
         set_stop = getattr(self.drafter, "set_stop_tokens", None)
         if set_stop is not None:  # optional: chain drafters end a chain once every row drafted EOS
@@ -537,9 +536,8 @@ class _Loop:
             # K = 0 answer (sample the target) without the chain machinery around it.
             probs = process_logits(tout.logits[:, -1], self.sampling)  # [Ba, V]
             finite = _finite(tout.logits[:, -1], probs, self.sampling)
-            if starts is not None:
-                probs = self.noise.perturb(probs.unsqueeze(1), rows, starts)[:, 0]
-            next_tokens = self.rule.sample(probs, self.generator)
+            next_tokens = (self.rule.sample(probs, self.generator) if starts is None
+                           else self.noise.argmax(probs.unsqueeze(1), rows, starts)[:, 0])
             info, n_host, count_host, keep = emitter.emit_root(next_tokens, finite)
             verdict = None
         else:
@@ -548,9 +546,8 @@ class _Loop:
             drafted_ok = (torch.isfinite(draft.draft_probs).all() if draft.draft_probs is not None
                           else probs.new_ones((), dtype=torch.bool))
             finite = torch.stack([_finite(tout.logits, probs, self.sampling), drafted_ok])
-            if starts is not None:
-                probs = self.noise.perturb(probs, rows, starts, None if draft.is_chain else draft.parents)
-            verdict = verify_draft(self.rule, draft, probs, generator=self.generator)
+            verdict = (verify_draft(self.rule, draft, probs, generator=self.generator) if starts is None
+                       else self.noise.verdict(self.rule, draft, probs, rows, starts))  # acceptance="invariant"
             info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite)
         info.is_chain = draft.is_chain
         if verdict is not None and verdict.distortion is not None:  # summed on the device; read once at the end

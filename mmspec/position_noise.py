@@ -37,7 +37,8 @@ from __future__ import annotations
 import torch
 
 from mmspec.sampling import draw
-from mmspec.tree import ancestors, depths
+from mmspec.tree import ancestors, depths, verify_draft
+from mmspec.types import Draft, Verdict
 
 _MASK = (1 << 64) - 1
 
@@ -114,10 +115,25 @@ class PositionNoise:
 
     def perturb(self, probs: torch.Tensor, rows: list[int], starts: list[int],
                 parents: torch.Tensor | None = None) -> torch.Tensor:
-        """probs [R, M, V] -> the one-hot of ``argmax(log probs + g) = argmax(probs / E)`` [R, M, V]:
-        the token Gumbel-max sampling emits there. Position j of row i is ``starts[i] + j`` (a
-        chain), or with a tree's `parents` [R, M - 1] (``mmspec.tree`` layout, verify position 0 =
-        root) ``starts[i]`` + the depth of verify position j."""
+        """The one-hot [R, M, V] of `argmax` (a distribution the rules' chain and tree walks take)."""
+        return torch.nn.functional.one_hot(self.argmax(probs, rows, starts, parents), probs.shape[-1]).to(probs.dtype)
+
+    def verdict(self, rule, draft: Draft, probs: torch.Tensor, rows: list[int], starts: list[int]) -> Verdict:
+        """The loop's verdict under a position-keyed rule: chains from the perturbed argmax tokens
+        (`rule.verify_top`), trees by the rule's tree walk over their one-hots."""
+        if not draft.is_chain or not hasattr(rule, "verify_top"):  # (a position-keyed rule of your own: its walk)
+            return verify_draft(rule, draft, self.perturb(probs, rows, starts, None if draft.is_chain else draft.parents))
+        res = rule.verify_top(draft.tokens, self.argmax(probs, rows, starts))
+        B, N = draft.tokens.shape
+        path = torch.arange(N + 1, device=probs.device).expand(B, N + 1)
+        return Verdict(path=path, num_accepted=res.num_accepted, next_tokens=res.next_tokens)
+
+    def argmax(self, probs: torch.Tensor, rows: list[int], starts: list[int],
+               parents: torch.Tensor | None = None) -> torch.Tensor:
+        """probs [R, M, V] -> ``argmax(log probs + g) = argmax(probs / E)`` [R, M]: the token
+        Gumbel-max sampling emits there. Position j of row i is ``starts[i] + j`` (a chain), or
+        with a tree's `parents` [R, M - 1] (``mmspec.tree`` layout, verify position 0 = root)
+        ``starts[i]`` + the depth of verify position j."""
         R, M, V = probs.shape
         offsets = None if parents is None else depths(ancestors(parents))
         if V != self.vocab_size:
@@ -126,8 +142,7 @@ class PositionNoise:
         e = self.race(rows, starts, length, dtype=probs.dtype, device=probs.device)
         if offsets is not None:
             e = e.gather(1, offsets.long().unsqueeze(-1).expand(R, M, V))
-        top = (probs / e).argmax(-1)
-        return torch.nn.functional.one_hot(top, V).to(probs.dtype)
+        return (probs / e).argmax(-1)
 
 
 class DraftsWithPositionNoise:

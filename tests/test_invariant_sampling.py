@@ -224,3 +224,27 @@ def test_llava_feature_drafters_emit_the_tokens_of_plain_decoding(llava, kind):
         out = mmspec.speculative_generate(model, make(model, kind, tree), ids, mask,
                                           generator=torch.Generator().manual_seed(4), **kw)
         assert torch.equal(out.sequences, plain.sequences), tree
+
+
+def test_the_loops_token_path_equals_the_rules_one_hot_verification():
+    """The loop verifies chains from the perturbed argmax tokens (`verify_top`), and a position-keyed
+    rule without that method through its own walk over one-hots: the same verdicts."""
+    from mmspec.position_noise import PositionNoise
+    from mmspec.tree import chain_parents
+    from mmspec.types import Draft
+
+    class OwnWalk(DrafterInvariantAcceptance):
+        verify_top = property(lambda self: (_ for _ in ()).throw(AttributeError("verify_top")))
+
+    noise = PositionNoise(9, 6)
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(5, 4, 6, generator=g, dtype=torch.float64) * 2, -1)
+    top = noise.argmax(probs, list(range(5)), [2] * 5)
+    tokens = top[:, :3].clone()
+    tokens[1, 0] = (tokens[1, 0] + 1) % 6  # row 1 rejected at once, row 3 at the last draft
+    tokens[3, 2] = (tokens[3, 2] + 1) % 6
+    draft = Draft(tokens=tokens, parents=chain_parents(5, 3), draft_probs=None)
+    for rule in (DrafterInvariantAcceptance(), OwnWalk()):
+        v = noise.verdict(rule, draft, probs, list(range(5)), [2] * 5)
+        assert v.num_accepted.tolist() == [3, 0, 3, 2, 3]
+        assert torch.equal(v.next_tokens, top.gather(1, v.num_accepted.unsqueeze(1)).squeeze(1))
