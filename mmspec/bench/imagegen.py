@@ -2,9 +2,11 @@
 decoding with every drafter and rule, on a `SpeculativeARImagePipeline` folder (default: the
 bundled testbed generator).
 
-For each batch size it runs every method on the same class labels and seeds, in interleaved
-rounds (plain, exact with the small-model drafter, exact with coupled / Gumbel-coupled /
-uncoupled Jacobi drafts, LANTERN and GSD with each drafter), and reports target forwards
+For each batch size it runs every method on the same class labels and seeds, in rounds whose
+methods take turns chunk by chunk (every method decodes a batch of B labels before the next
+batch starts: a slow phase of the machine hits them alike) (plain, exact with the small-model
+drafter, exact with coupled / Gumbel-coupled / uncoupled Jacobi drafts, LANTERN and GSD with
+each drafter, drafter-invariant sampling), and reports target forwards
 per image (prefill included; `calls`: target forwards of the batched calls, which wait for their
 slowest row), mean accepted length, images per second and the wall-clock
 speed-up over plain decoding through the same target code (median over rounds). It also
@@ -193,7 +195,19 @@ def run_method(pipe, labels: list[int], B: int, method: str, cfg: ImageBenchConf
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "forwards_per_image": forwards / len(labels), "batch_forwards": calls,
             "mean_accepted_length": emitted / row_steps if row_steps else 1.0, "tokens": torch.cat(tokens),
-            "drafted_per_step": widths}
+            "drafted_per_step": widths, "images": len(labels), "emitted": emitted, "row_steps": row_steps}
+
+
+def merge_runs(parts: list[dict]) -> dict:
+    """One method's chunks of a round (`run_method` results, in label order) as one result."""
+    images, emitted, row_steps = (sum(p[k] for p in parts) for k in ("images", "emitted", "row_steps"))
+    return {"wall_s": sum(p["wall_s"] for p in parts),
+            "forwards_per_image": sum(p["forwards_per_image"] * p["images"] for p in parts) / images,
+            "batch_forwards": sum(p["batch_forwards"] for p in parts),
+            "mean_accepted_length": emitted / row_steps if row_steps else 1.0,
+            "tokens": torch.cat([p["tokens"] for p in parts]),
+            "drafted_per_step": [w for p in parts for w in p["drafted_per_step"]],
+            "images": images, "emitted": emitted, "row_steps": row_steps}
 
 
 @torch.no_grad()
@@ -280,21 +294,30 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
         entry = {"batch_size": B, "draft_tokens": K, "window": W, "verify_cost": verify_cost(pipe, B, scale)}
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for r in range(cfg.repeats + 1):  # round 0 warms up
-            # Each round starts at another method: the first method of a round ran measurably
-            # slower on our VM (plain first in every round: 12.7 against 13.9 images/s for the
-            # same kernels further down the round), so no method keeps one position.
+            # Every method runs each chunk of B labels (same seed) before the next chunk starts, so
+            # a slow phase of the machine (seconds long on our VMs) hits every method alike; each
+            # round starts at another method and the order reverses chunk by chunk, so no method
+            # keeps one position (the first call of a round ran measurably slower on our VM).
             shift = r % len(methods)
-            for m in methods[shift:] + methods[:shift]:
+            order = methods[shift:] + methods[:shift]
+            parts: dict[str, list[dict]] = {m: [] for m in methods}
+            for c, start in enumerate(range(0, len(labels), B)):
+                for m in order if c % 2 == 0 else order[::-1]:
+                    kind, coupling, _, window = method_spec(m)
+                    _set_drafter(pipe, gpt_drafter, kind, coupling, K, W, window, method=m)
+                    pipe.prepack = False if m.endswith(STOCK) else "auto"
+                    parts[m].append(run_method(pipe, labels[start:start + B], B, m, cfg, scale,
+                                               (cfg.seed + r) * 1_000_003 + start))
+            for m in methods:
                 kind, coupling, _, window = method_spec(m)
-                _set_drafter(pipe, gpt_drafter, kind, coupling, K, W, window, method=m)
-                pipe.prepack = False if m.endswith(STOCK) else "auto"
-                res = run_method(pipe, labels, B, m, cfg, scale, cfg.seed + r)
                 if r > 0:
-                    runs[m].append(res)
+                    runs[m].append(merge_runs(parts[m]))
                 elif window == "auto" and kind == "jacobi":
                     # The untimed round also covers the bandit's warm-up at this batch size (a
                     # one-off per process, like the kernel measurement), so the timed rounds show
                     # its steady state; at batch 8 with 8 images a round is a single request.
+                    _set_drafter(pipe, gpt_drafter, kind, coupling, K, W, window, method=m)
+                    pipe.prepack = "auto"
                     bandit = pipe.drafter.controller
                     for extra in range(16):
                         if bandit.warmed_up(B):
