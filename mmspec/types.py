@@ -21,7 +21,7 @@ class TreeConfig:
     `num_nodes` best nodes of the whole tree (Li et al. 2024, EAGLE-2, section 4).
 
     `num_nodes="auto"` (`ModelDrafter`, EAGLE and ViSpec trees): how many nodes to keep, 0 (plain decoding) up to
-    24 (at most depth * top_k^2), is chosen per request from measured speed
+    24 (at most the tree's candidates, top_k + (depth - 1) * top_k^2), is chosen per request from measured speed
     (`mmspec.adaptive_window.WindowBandit`); it is stored as `adaptive=True` with `num_nodes`
     the largest (`TreeConfig(num_nodes=32, adaptive=True)` for another largest)."""
 
@@ -36,7 +36,7 @@ class TreeConfig:
         if self.num_nodes == "auto":
             object.__setattr__(self, "adaptive", True)
             if all(isinstance(getattr(self, n), int) and not isinstance(getattr(self, n), bool) for n in ("depth", "top_k")):
-                object.__setattr__(self, "num_nodes", max(1, min(24, self.depth * self.top_k * self.top_k)))
+                object.__setattr__(self, "num_nodes", max(1, min(24, self.candidates)))
         for name in ("depth", "top_k", "num_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -47,11 +47,18 @@ class TreeConfig:
             raise ValueError(f"TreeConfig.top_k must be >= 1, got {self.top_k}")
         if self.num_nodes < 1:
             raise ValueError(f"TreeConfig.num_nodes must be >= 1, got {self.num_nodes}")
-        if self.num_nodes > self.depth * self.top_k * self.top_k:
+        if self.num_nodes > self.candidates:
+            # (before session 34 the bound was depth * top_k^2, and a larger count was silently cut)
             raise ValueError(
-                f"TreeConfig.num_nodes={self.num_nodes} exceeds the depth*top_k*top_k="
-                f"{self.depth * self.top_k * self.top_k} candidates the tree can hold; lower num_nodes"
+                f"TreeConfig.num_nodes={self.num_nodes} exceeds the top_k + (depth-1)*top_k^2="
+                f"{self.candidates} candidates the tree can hold; lower num_nodes"
             )
+
+    @property
+    def candidates(self) -> int:
+        """Nodes the grown tree holds before the best `num_nodes` are kept: `top_k` children of the
+        root, then `top_k` children of each of the `top_k` frontier nodes per further level."""
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
 
 def check_tree(tree, who: str, adaptive_ok: bool) -> None:

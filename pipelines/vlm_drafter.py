@@ -11,7 +11,7 @@ pipeline component) holds the trainable part of one of mmspec's VLM drafters:
 0..`max_draft_tokens`, default 6, per step from measured costs and acceptance; mmspec/adaptive.py;
 `max_draft_tokens` with a fixed length is refused). A tree drafter (`tree_depth > 0`) verifies
 `tree_num_nodes` nodes per step, or with `tree_num_nodes="auto"` a size chosen per request from
-measured speed (0 = plain decoding up to min(24, depth * top_k^2); `TreeConfig(num_nodes="auto")`).
+measured speed (0 = plain decoding up to min(24, top_k + (depth - 1) * top_k^2); `TreeConfig(num_nodes="auto")`).
 
 `build(target)` returns the runtime drafter for a target (checking that the head was built
 for it: width, vocabulary, image token). `PlainDecoding` drafts nothing, so
@@ -109,7 +109,7 @@ def _tree_fields(tree: TreeConfig | None) -> dict:
     if tree.adaptive:  # saved as "auto", which rebuilds the default largest tree
         if TreeConfig(tree.depth, tree.top_k, "auto").num_nodes != nodes:
             raise ValueError(f"a saved drafter keeps an adaptive tree as tree_num_nodes='auto' (largest "
-                             f"min(24, depth*top_k^2)); TreeConfig(num_nodes={nodes}, adaptive=True) has another largest "
+                             f"min(24, the tree's candidates)); TreeConfig(num_nodes={nodes}, adaptive=True) has another largest "
                              "size: use TreeConfig(num_nodes='auto') or a fixed num_nodes")
         nodes = "auto"
     return {"tree_depth": tree.depth, "tree_top_k": tree.top_k, "tree_num_nodes": nodes}

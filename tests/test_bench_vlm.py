@@ -65,6 +65,8 @@ def test_bench_vlm_tree_of_measured_size(tmp_path):
     assert list(rows) == ["plain", "eagle", "eagle+tree"]
     assert all(r["identical_to_plain"] for r in rows.values())
     assert report["model"]["trees"]["eagle+tree"] == [3, 2, "auto"]
+    chosen = rows["eagle+tree"]["drafted_per_step"]  # node counts the bandit picked: a tree's choices
+    assert sum(chosen.values()) > 0 and set(chosen) <= {0, 2, 4, 8, 10} and "drafted_per_step" not in rows["eagle"]
 
 
 def test_bench_vlm_device_option():

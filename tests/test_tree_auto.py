@@ -25,7 +25,9 @@ from test_core_sampling import SAMPLES, V, chi_square_p, joint_23, pair  # noqa:
 
 def test_tree_config_auto():
     t = mmspec.TreeConfig(depth=3, top_k=2, num_nodes="auto")
-    assert t.adaptive and t.num_nodes == 12  # at most depth * top_k^2
+    assert t.adaptive and t.num_nodes == 10  # at most the 2 + 2 * 4 candidates a depth-3 top-2 tree holds
+    with pytest.raises(ValueError, match="exceeds the top_k \\+ \\(depth-1\\)\\*top_k\\^2=10 candidates"):
+        mmspec.TreeConfig(depth=3, top_k=2, num_nodes=11)  # before: accepted, and 10 nodes verified
     assert mmspec.TreeConfig(num_nodes="auto").num_nodes == 24
     assert mmspec.TreeConfig(**dataclasses.asdict(t)) == t  # a saved config round-trips
     assert not mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6).adaptive

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.adaptive import summarize
 from mmspec.cli_types import positive_int
 from mmspec.devices import check_device, device_name
 
@@ -213,7 +214,7 @@ def _run_generate(pipe, images, prompts, max_new_tokens: int):
 def run_round(pipe, methods, images, prompts, B: int, cfg: VLMBenchConfig) -> dict:
     """Every method on every chunk of B items, interleaved chunk by chunk."""
     acc = {m: {"wall": 0.0, "texts": [], "seqs": [], "emitted": 0, "row_steps": 0, "target_calls": 0,
-               "draft_s": 0.0, "draft_calls": 0, "verify_s": 0.0} for m in methods}
+               "draft_s": 0.0, "draft_calls": 0, "verify_s": 0.0, "widths": []} for m in methods}
     for start in range(0, len(images), B):
         chunk = slice(start, start + B)
         for m in methods:
@@ -228,6 +229,7 @@ def run_round(pipe, methods, images, prompts, B: int, cfg: VLMBenchConfig) -> di
             a["draft_s"] += s.draft_seconds
             a["draft_calls"] += s.draft_calls or 0
             a["verify_s"] += s.verify_seconds
+            a["widths"] += list(getattr(s, "nodes_per_step", None) or [])
     return acc
 
 
@@ -276,6 +278,8 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
         comp = pipe.drafters[n].config
         saved = None if comp.tree_depth else comp.num_draft_tokens  # a chain of the saved K is row <name>
         methods += [length_variant(pipe, n, k) for k in cfg.draft_lengths if k != saved]
+    adaptive = {m for m in methods if m in pipe.drafters and (pipe.drafters[m].config.num_draft_tokens == "auto"
+                                                              or pipe.drafters[m].config.tree_num_nodes == "auto")}
     from mmspec.testbed.vlm_eval import scene_size
 
     scenes = World(seed=cfg.seed, split="validation", image_size=scene_size(pipe.processor)).sample(cfg.num_scenes)
@@ -318,6 +322,8 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
                     "drafter_ms_per_step": (round(1e3 * last["draft_s"] / last["draft_calls"], 3)
                                             if last["draft_calls"] else None),
                 }
+                if m in adaptive:  # what the adaptive drafter chose, over the timed rounds (tokens / nodes: steps)
+                    rows[m]["drafted_per_step"] = summarize([w for x in rounds for w in x[m]["widths"]])
             report["runs"].append({"task": task, "batch_size": B, "scenes": len(images), "verify_cost": cost,
                                    "methods": rows, "sample": rounds[-1]["plain"]["texts"][:3]})
     return report
@@ -355,6 +361,9 @@ def format_table(report: dict) -> str:
                          f"{x['speedup_vs_plain']:>9.2f}x"
                          + (f"{x['speedup_vs_generate']:>12.2f}x" if peer else "")
                          + f"{v:>11}{d:>10}  {'yes' if x['identical_to_plain'] else 'NO'}")
+        for name, x in r["methods"].items():
+            if x.get("drafted_per_step"):
+                lines.append(f"  {name}: drafted per step (tokens or nodes: steps) {x['drafted_per_step']}")
     return "\n".join(lines)
 
 
