@@ -36,6 +36,19 @@ def test_custom_generate_maps_sampling_settings(target, good_drafter):
     assert (top5 == seqs[:, 5:].unsqueeze(-1)).any(-1).all()
 
 
+def test_custom_generate_invariant_sampling_does_not_depend_on_the_drafter(target, good_drafter, weak_drafter):
+    """acceptance="invariant" through generate(custom_generate=...): sampled sequences for a seed are
+    the same whichever drafter and K run (and differ from another seed's)."""
+    ids, mask = left_padded([7, 4, 6])
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.9, top_p=0.9, max_new_tokens=12,
+              pad_token_id=0, eos_token_id=None, custom_generate=speculative_decoding, acceptance="invariant")
+    outs = []
+    for seed, drafter in ((1, ModelDrafter(good_drafter, 3)), (1, ModelDrafter(weak_drafter, 5)), (2, ModelDrafter(good_drafter, 3))):
+        torch.manual_seed(seed)  # generate's sampling draws from torch's global generator
+        outs.append(target.generate(**kw, drafter=drafter))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
 def test_custom_generate_refuses_unsupported_processors(target, good_drafter):
     ids, mask = left_padded([5])
     with pytest.raises(ValueError, match="RepetitionPenalty"):
