@@ -77,7 +77,11 @@ class Drafter(Protocol):
     - `draft_calls: int` (default: not reported): drafter forwards so far, for `SpecStats`.
     - `set_stop_tokens(token_ids: list[int])`: called before each request's `prefill` with the
       loop's EOS ids (possibly empty); a chain drafter may then end a chain early once every
-      row has drafted one (what follows a row's EOS is never emitted)."""
+      row has drafted one (what follows a row's EOS is never emitted).
+    - `set_position_noise(noise | None)`: under a position-keyed rule (`acceptance="invariant"`)
+      called before each `propose` with `noise(n, dtype) -> E [B, n, V]`, the verifier's Exp(1)
+      race noise of the n positions after each row's root (None at a request's start): drafting
+      ``argmax(q / E)`` is then accepted wherever the verifier's perturbed argmax agrees."""
 
     vocab_size: int
     max_draft_nodes: int  # the most nodes `propose` returns (the target reserves cache room)
@@ -117,7 +121,11 @@ class AcceptanceRule(Protocol):
     - `at_temperature_zero() -> AcceptanceRule`: the rule to use for greedy decoding (exact
       verification of one-hot targets is greedy verification).
     - `distortion(x, p, q) -> [M]`: total variation a lossy rule moves (reported in stats);
-      optionally `distortion_given(x, p, q, alpha)`, the same from an alpha already computed."""
+      optionally `distortion_given(x, p, q, alpha)`, the same from an alpha already computed.
+    - `position_keyed: bool` (default False): the loop replaces the target's distributions by the
+      one-hots of their Gumbel-max tokens under position-keyed noise (`mmspec.position_noise`)
+      before the rule sees them; with `verify_top(draft_tokens, top) -> AcceptanceResult` chains
+      are verified from those tokens directly (`DrafterInvariantAcceptance`)."""
 
     lossless: bool
 
