@@ -3,8 +3,9 @@ against CSpD speculative sampling (`mmspec.pipelines.SpeculativeMARPipeline`) on
 pipeline folder (default: the bundled testbed pair, assets/testbed/mar, when one is bundled).
 
 For each batch size it samples the same class labels with the same per-chunk seeds plainly
-and speculatively, in interleaved rounds (plain first in even rounds, CSpD first in odd ones;
-round 0 is an untimed warm-up), and reports the median wall-clock time, images per second,
+and speculatively, in interleaved rounds (methods take turns batch by batch; plain first in even
+rounds, CSpD first in odd ones; round 0 is an untimed warm-up), and reports the median
+wall-clock time, images per second,
 the speed-up of CSpD over plain sampling through the same MAR code, target and draft forwards
 per image (batched calls each image took part in; a CSpD verify call evaluates one prefix
 sequence per drafted step and row, so it costs more than a plain step), the acceptance rate of
@@ -130,36 +131,50 @@ def method_call(cfg: MARBenchConfig, call: dict, method: str) -> dict:
     return {**call, "speculative": method != "plain"}
 
 
-def run_method(pipe, labels: list[int], B: int, call: dict, seed: int) -> dict:
-    """Sample `labels` in chunks of B; chunk i uses seed (seed, i) for both methods, so plain and
-    CSpD share the generation orders and diffusion noise of every image."""
-    t = dict(target=0, draft=0, accepted=0, judged=0, drafted=0, residual=0, fallbacks=0, calls_t=0, calls_d=0,
-             sec_t=0.0, sec_d=0.0)
+def _new_totals() -> dict:
+    return dict(target=0, draft=0, accepted=0, judged=0, drafted=0, residual=0, fallbacks=0, calls_t=0, calls_d=0,
+                sec_t=0.0, sec_d=0.0, wall=0.0, images=0)
+
+
+def run_chunk(pipe, chunk: list[int], call: dict, seed: int, totals: dict) -> None:
+    """Sample one batch `chunk` with generator seed `seed`, adding its counts and wall time to `totals`."""
+    gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    for i in range(0, len(labels), B):
-        chunk = labels[i:i + B]
-        gen = torch.Generator().manual_seed(seed * 100_003 + i)
-        s = pipe(chunk, **call, generator=gen, output_type="latent").stats
-        _sync(pipe)
-        n = len(chunk)
-        t["target"] += s.spec.target_calls * n
-        t["draft"] += s.spec.draft_calls * n
-        t["calls_t"] += s.spec.target_calls
-        t["calls_d"] += s.spec.draft_calls
-        t["sec_t"] += s.spec.verify_seconds
-        t["sec_d"] += s.spec.draft_seconds
-        for key, value in (("accepted", s.accepted_tokens), ("judged", s.judged_tokens), ("drafted", s.drafted_tokens),
-                           ("residual", s.residual_tokens), ("fallbacks", s.fallbacks)):
-            t[key] += value
-    wall = time.perf_counter() - t0
-    N = len(labels)
-    return {"wall_s": wall, "target_forwards_per_image": t["target"] / N, "draft_forwards_per_image": t["draft"] / N,
+    s = pipe(chunk, **call, generator=gen, output_type="latent").stats
+    _sync(pipe)
+    t, n = totals, len(chunk)
+    t["wall"] += time.perf_counter() - t0
+    t["images"] += n
+    t["target"] += s.spec.target_calls * n
+    t["draft"] += s.spec.draft_calls * n
+    t["calls_t"] += s.spec.target_calls
+    t["calls_d"] += s.spec.draft_calls
+    t["sec_t"] += s.spec.verify_seconds
+    t["sec_d"] += s.spec.draft_seconds
+    for key, value in (("accepted", s.accepted_tokens), ("judged", s.judged_tokens), ("drafted", s.drafted_tokens),
+                       ("residual", s.residual_tokens), ("fallbacks", s.fallbacks)):
+        t[key] += value
+
+
+def result_of(t: dict) -> dict:
+    """A method's round (the totals of its chunks) as the bench's per-run result."""
+    N = t["images"]
+    return {"wall_s": t["wall"], "target_forwards_per_image": t["target"] / N, "draft_forwards_per_image": t["draft"] / N,
             "accepted_tokens": t["accepted"], "judged_tokens": t["judged"], "drafted_tokens": t["drafted"],
             "residual_tokens": t["residual"], "fallbacks": t["fallbacks"],
             # cost of one batched call: a plain step for plain sampling, a verify call (with accept /
             # residual) for CSpD; a drafter step (forward + head trajectory)
             "ms_per_target_call": 1e3 * t["sec_t"] / t["calls_t"] if t["calls_t"] else None,
             "ms_per_draft_call": 1e3 * t["sec_d"] / t["calls_d"] if t["calls_d"] else None}
+
+
+def run_method(pipe, labels: list[int], B: int, call: dict, seed: int) -> dict:
+    """Sample `labels` in chunks of B; chunk i uses seed (seed, i) for both methods, so plain and
+    CSpD share the generation orders and diffusion noise of every image."""
+    t = _new_totals()
+    for i in range(0, len(labels), B):
+        run_chunk(pipe, labels[i:i + B], call, seed * 100_003 + i, t)
+    return result_of(t)
 
 
 def _sync(pipe) -> None:
@@ -226,10 +241,17 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
         ms = methods(cfg, call["num_iter"])
         runs: dict[str, list[dict]] = {m: [] for m in ms}
         for r in range(cfg.repeats + 1):  # round 0 warms up
-            for m in (ms if r % 2 == 0 else ms[::-1]):
-                res = run_method(pipe, labels, B, method_call(cfg, call, m), cfg.seed + r)
-                if r > 0:
-                    runs[m].append(res)
+            # Every method samples each batch of B labels (same seed: shared orders and noise) before
+            # the next batch starts, so a slow phase of the machine hits every method alike; the
+            # order alternates round by round and batch by batch.
+            order = ms if r % 2 == 0 else ms[::-1]
+            totals = {m: _new_totals() for m in ms}
+            for c, i in enumerate(range(0, len(labels), B)):
+                for m in order if c % 2 == 0 else order[::-1]:
+                    run_chunk(pipe, labels[i:i + B], method_call(cfg, call, m), (cfg.seed + r) * 100_003 + i, totals[m])
+            if r > 0:
+                for m in ms:
+                    runs[m].append(result_of(totals[m]))
             progress(f"batch {B}: round {r}/{cfg.repeats} done")
         plain_wall = statistics.median(x["wall_s"] for x in runs["plain"])
         rows = {}
