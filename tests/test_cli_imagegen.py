@@ -72,6 +72,11 @@ def test_bench_imagegen_smoke(folder, tmp_path, capsys):
         assert 0 < lo <= hi
     auto = rows["lantern/jacobi-maximal@auto"]
     assert auto["window"] == "auto" and sum(auto["windows_chosen"].values()) > 0
+    # Methods take turns batch by batch with the same seeds: every invariant row, the auto window's
+    # and the small-model drafter's included, emitted invariant/plain's tokens in every round.
+    invariant = [m for m in rows if m.startswith("invariant/") and m != "invariant/plain"]
+    assert len(invariant) >= 3 and all(rows[m]["identical_to_invariant_plain"] for m in invariant)
+    assert rows["invariant/plain"]["lossless"] and "identical_to_invariant_plain" not in rows["exact/model"]
     assert report["batches"][0]["verify_cost"]["ratio_to_one_token"]["1"] == 1.0
     assert "speed-up" in capsys.readouterr().out
     assert report["model"]["device"] == "cpu" and report["config"]["device"] == "cpu"
