@@ -40,7 +40,8 @@ emitted tokens per second of whole requests decide which one runs next
 wide window needs fewer forwards but each costs more (on a CPU a 17-token verify of the testbed
 generator costs ~2x a one-token forward, on a GPU nearly the same), so the best window differs
 from machine to machine and batch size to batch size. The choice depends on finished requests
-only, so verification stays exact. The bandit lives on the drafter: keep one drafter
+only, so verification stays exact (and under acceptance="invariant" the tokens of a seed do not
+depend on the window at all). The bandit lives on the drafter: keep one drafter
 (`pipe.drafter`) across calls and it keeps what it learned (per batch size).
 
 Limits: chains only (a window is one chain); no drafter forward (`draft_calls` stays 0); the
