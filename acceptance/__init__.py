@@ -96,6 +96,13 @@ def get_rule(rule, **kwargs):
     return rule
 
 
+def is_position_keyed(rule) -> bool:
+    """Whether `rule` (a name in RULES or a rule object) samples with position-keyed noise, so
+    that its plain decoding is the reference its speculative output equals for a seed."""
+    cls = RULES.get(rule) if isinstance(rule, str) else rule
+    return bool(getattr(cls, "position_keyed", False))
+
+
 def get_continuous_rule(rule, **kwargs):
     """A continuous-token rule from a name in CONTINUOUS_RULES (built with kwargs) or the object itself."""
     if isinstance(rule, str):
@@ -110,6 +117,7 @@ __all__ = [
     "RULES",
     "get_continuous_rule",
     "get_rule",
+    "is_position_keyed",
     "ChainRule",
     "check_chain_inputs",
     "ClusterExactAcceptance",

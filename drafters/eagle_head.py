@@ -416,8 +416,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         tokens, probs = [], []
         ended = self._stop.begin(B, device)
         steps = torch.arange(K, device=device)
-        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(
-            K, torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        noise = self._chain_noise(K, sampling, logits)
         for i in range(K):
             if sampling.greedy:  # no q is returned for greedy drafts: the argmax is enough
                 d = logits.argmax(-1)

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from mmspec.adaptive_window import WindowBandit
+from mmspec.position_noise import DraftsWithPositionNoise
 from mmspec.sampling import SamplingConfig, draw, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput
@@ -63,7 +64,7 @@ COUPLINGS = (None, "maximal", "gumbel")
 INITS = ("random", "last")
 
 
-class JacobiDrafter:
+class JacobiDrafter(DraftsWithPositionNoise):
     """Speculative Jacobi decoding drafter (see module docstring)."""
 
     features = FeatureRequest()  # logits only
@@ -94,14 +95,8 @@ class JacobiDrafter:
         self.k = self.max_window  # positions sent to the target this step (set by the loop when adaptive)
         self.controller = WindowBandit(self.max_window) if self.adaptive else None
         self.draft_calls = 0
-        self._shared_noise = None
-
-    def set_position_noise(self, noise) -> None:
-        """The loop's position-keyed race noise under acceptance="invariant" (a callable
-        ``noise(n, dtype) -> E [B, n, V]`` for the next n positions), or None. With it every
-        coupling drafts ``argmax(q / E)`` (Gumbel-max) with the verifier's noise: the draft its
-        greedy check of the perturbed target accepts most often (still distributed as q)."""
-        self._shared_noise = noise
+        # (DraftsWithPositionNoise: under acceptance="invariant" every coupling drafts argmax(q / E)
+        # with the verifier's noise, the draft its greedy check accepts most often; still q-distributed.)
 
     def __repr__(self) -> str:
         window = f"'auto', max_window={self.max_window}" if self.adaptive else self.window
@@ -157,8 +152,9 @@ class JacobiDrafter:
             tokens = torch.where(have, known.argmax(-1), random_tokens if self.init == "random" else init_q.argmax(-1))
             self._drafted = (tokens, None)
             return Draft(tokens=tokens, parents=chain_parents(B, N, device), draft_probs=None)
-        if self._shared_noise is not None:  # acceptance="invariant": the verifier's own noise per position
-            tokens = (q / self._shared_noise(N, q.dtype)).argmax(-1)  # = argmax(log q + g)
+        noise = self._chain_noise(N, sampling, q)  # acceptance="invariant": the verifier's own noise
+        if noise is not None:
+            tokens = (q / noise).argmax(-1)  # = argmax(log q + g)
         elif self.coupling == "gumbel":
             self._fill_noise(N, generator)
             tokens = (q.clamp_min(0).log() + self.noise[:, :N].to(q.dtype)).argmax(-1)

@@ -208,8 +208,7 @@ class ModelDrafter(DraftsWithPositionNoise):
             return self._propose_tree(logits, sampling)
         tokens, probs = [], []
         ended = None if self.static else self._stop.begin(B, device)
-        noise = None if sampling.greedy or self._shared_noise is None else self._shared_noise(
-            K, torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        noise = self._chain_noise(K, sampling, logits)
         for i in range(K):
             q = process_logits(logits, sampling)
             if noise is not None:  # acceptance="invariant": Gumbel-max with the verifier's noise

@@ -158,6 +158,13 @@ class DraftsWithPositionNoise:
         ``log q - log E`` (Gumbel top-k, `drafters.tree_grow.grow_tree`)."""
         self._shared_noise = noise
 
+    def _chain_noise(self, n: int, sampling, like: torch.Tensor) -> torch.Tensor | None:
+        """The race noise E [B, n, V] of a chain's n draft positions in the math dtype of `like`
+        (the drafter's logits), or None without the loop's noise or when decoding greedily."""
+        if self._shared_noise is None or sampling.greedy:
+            return None
+        return self._shared_noise(n, torch.float64 if like.dtype == torch.float64 else torch.float32)
+
     def _tree_noise(self, depth: int, sampling, dtype) -> dict:
         """`grow_tree`'s noise arguments for a tree of `depth` levels (none without the loop's noise
         or when decoding greedily)."""

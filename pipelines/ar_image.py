@@ -47,6 +47,7 @@ from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.utils import BaseOutput, is_accelerate_available
 
 import mmspec
+from mmspec.acceptance import is_position_keyed
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
 from mmspec.models.llamagen_gpt import LlamaGenGPT
 from mmspec.models.llamagen_sample import CFG_SCHEDULES
@@ -390,7 +391,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         kwargs = dict(acceptance_kwargs or {}) if isinstance(acceptance, str) else None
         if acceptance == "lantern" and "k" not in kwargs:
             kwargs["k"] = lantern_k(V)
-        if not speculative and not (acceptance == "invariant" or getattr(acceptance, "position_keyed", False)):
+        if not speculative and not is_position_keyed(acceptance):
             # Plain decoding samples the target exactly; "invariant" keeps its position-keyed
             # Gumbel-max sampling, so speculative and plain images are the same for a seed.
             acceptance, kwargs = "exact", None

@@ -39,6 +39,7 @@ def _run(args, images, prompts) -> int:
 
     from .vlm import SpeculativeVLMPipeline
 
+    from mmspec.acceptance import is_position_keyed
     from mmspec.devices import check_device, move_pipeline
 
     if args.threads:
@@ -87,7 +88,7 @@ def _run(args, images, prompts) -> int:
         if plain is not None:
             line += (f"; plain {plain.stats.total_seconds:.2f}s, speed-up {report['speedup']:.2f}x, answers "
                      + ("identical" if report["identical_to_plain"] else "DIFFER"))
-            if not report["identical_to_plain"] and args.temperature > 0 and args.acceptance != "invariant":
+            if not report["identical_to_plain"] and args.temperature > 0 and not is_position_keyed(args.acceptance):
                 line += (f" (sampled: --acceptance {args.acceptance} draws other tokens than plain sampling for a seed, "
                          "from the same distribution; --acceptance invariant gives plain sampling's answers)")
         print(line)

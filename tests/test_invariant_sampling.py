@@ -179,6 +179,10 @@ def test_rule_alone_refuses_targets_that_are_not_one_hot_and_is_greedy_at_temper
     res = rule.verify(torch.tensor([[1, 5], [4, 4]]), None, one_hot)
     assert res.num_accepted.tolist() == [1, 2] and res.next_tokens.tolist() == [2, 0]
     assert isinstance(rule.at_temperature_zero(), GreedyAcceptance)
+    from mmspec.acceptance import is_position_keyed
+
+    assert is_position_keyed("invariant") and is_position_keyed(rule)
+    assert not is_position_keyed("exact") and not is_position_keyed(GreedyAcceptance()) and not is_position_keyed("nope")
 
 
 def test_greedy_decoding_with_the_rule_is_greedy(pair):

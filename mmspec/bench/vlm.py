@@ -99,7 +99,9 @@ class VLMBenchConfig:
         check_device(self.device)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.temperature > 0 and self.acceptance != "invariant":
+        from mmspec.acceptance import is_position_keyed
+
+        if self.temperature > 0 and not is_position_keyed(self.acceptance):
             raise ValueError(f"temperature={self.temperature} with acceptance={self.acceptance!r}: the bench compares "
                              "methods on identical answers, which sampled decoding gives with acceptance='invariant' "
                              "only (pass --acceptance invariant)")

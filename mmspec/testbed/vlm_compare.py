@@ -127,21 +127,22 @@ def cmd_compare_vlm(args) -> int:
     return 0
 
 
+def _scene_options(p) -> None:
+    """The options compare-vlm and eval-vlm share."""
+    p.add_argument("--scenes", type=int, default=200, help="validation scenes (default 200, as train-vlm's eval)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", action="store_true")
+
+
 def add_compare_command(sub) -> None:
     p = sub.add_parser("compare-vlm", help="do two testbed VLMs answer equally well? (paired, same scenes)")
     p.add_argument("a", help="a SpeculativeVLMPipeline folder (e.g. assets/testbed/vlm)")
     p.add_argument("b", help="another one (e.g. the --out of a train-vlm run)")
-    p.add_argument("--scenes", type=int, default=200, help="validation scenes (default 200, as train-vlm's eval)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=positive_int, default=1)
-    p.add_argument("--json", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    _scene_options(p)
     p.set_defaults(func=cmd_compare_vlm)
     p = sub.add_parser("eval-vlm", help="caption correctness and VQA accuracy of a testbed VLM, with 95% intervals")
     p.add_argument("--model", default=None, help="a SpeculativeVLMPipeline folder (default: the bundled VLM)")
-    p.add_argument("--scenes", type=int, default=200, help="validation scenes (default 200, as train-vlm's eval)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=positive_int, default=1)
-    p.add_argument("--json", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    _scene_options(p)
     p.set_defaults(func=cmd_eval_vlm)
