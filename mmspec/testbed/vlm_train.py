@@ -19,7 +19,8 @@ What (``mmspec testbed train-vlm --out DIR``), in stages that each save their re
    genuinely multimodal); loss on the answer tokens and EOS, shape words weighted
    ``lm_shape_weight``. The tower is frozen except its last ``lm_tower_layers`` layers (learning
    rate x ``lm_tower_lr_scale``): the frozen part's output is computed once and cached, so a
-   step costs those layers + projector + LM. The pipeline folder (target + ``LlavaProcessor``
+   step costs those layers + projector + LM; ``lm_pack`` > 1 puts that many examples of a scene in
+   one row behind one copy of its image (``vlm_pack.py``). The pipeline folder (target + ``LlavaProcessor``
    with the word-level tokenizer and a chat template) is saved.
 4. ``tune``: ``tune_steps`` more steps from the LM stage's model (kept as ``pipeline_lm``) with
    half the Q/A examples existence questions, learning rate ``tune_lr`` decaying to 0
@@ -106,7 +107,8 @@ class VLMTrainConfig:
     lm_heads: int = 4
     lm_ffn: int = 384
     lm_steps: int = 5000
-    lm_batch: int = 32
+    lm_batch: int = 32  # rows per step (each of lm_pack examples)
+    lm_pack: int = 1  # examples of one scene per row, sharing its image tokens (vlm_pack.py)
     lm_lr: float = 2e-3
     lm_shape_weight: float = 1.0  # loss weight of shape-word targets in the LM stage
     # share of the LM stage's Q/A examples drawn from existence questions (0 = all alike); 0.8 since
@@ -122,6 +124,7 @@ class VLMTrainConfig:
     tune_lr: float = 5e-4
     tune_exists_fraction: float = 0.5  # share of the Q/A examples drawn from existence questions
     tune_from: str = ""  # a saved pipeline to tune instead of the LM stage's model
+    tune_tower_layers: int = 0  # last tower layers trained in the tune stage (lr x lm_tower_lr_scale; 0 = frozen)
     # drafters (pipelines.train_drafter)
     drafter_images: int = 8192
     drafter_steps: int = 12000
@@ -137,7 +140,7 @@ class VLMTrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("n_train", "n_val", "tower_steps", "tower_batch", "lm_steps", "lm_batch", "drafter_images",
+        for name in ("n_train", "n_val", "tower_steps", "tower_batch", "lm_steps", "lm_batch", "lm_pack", "drafter_images",
                      "drafter_steps", "drafter_batch", "accept_scenes", "max_new_tokens", "threads", "answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"VLMTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -146,8 +149,9 @@ class VLMTrainConfig:
                              "(lower patch_size or raise image_size)")
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
-        if not 0 <= self.lm_tower_layers <= self.tower_layers:
-            raise ValueError(f"lm_tower_layers={self.lm_tower_layers}: must be in [0, tower_layers={self.tower_layers}]")
+        for name in ("lm_tower_layers", "tune_tower_layers"):
+            if not 0 <= getattr(self, name) <= self.tower_layers:
+                raise ValueError(f"{name}={getattr(self, name)}: must be in [0, tower_layers={self.tower_layers}]")
         if not 0 <= self.lm_exists_fraction <= 1:
             raise ValueError(f"lm_exists_fraction={self.lm_exists_fraction} must be in [0, 1]")
         if self.tune_steps < 0 or self.tune_lr <= 0 or not 0 <= self.tune_exists_fraction <= 1:
@@ -268,24 +272,20 @@ def sample_examples(data: dict, tok, rng: random.Random, caption_fraction: float
     caption with probability ``caption_fraction``, else a question; of the questions a share
     ``exists_fraction`` (0 = every question alike) drawn from the scene's existence questions
     ("is there a violet disc ?")."""
-    from mmspec.testbed.vlm_eval import question_kind
+    from mmspec.testbed.vlm_pack import draw_example
 
-    out = []
-    for i, (caps, qa) in enumerate(zip(data["captions"], data["qa"])):
-        if rng.random() < caption_fraction or not qa:
-            prompt, answers = CAPTION_PROMPT, caps
-        else:
-            exists = [(q, v) for q, v in qa if question_kind(q) == "exists"] if exists_fraction > 0 else []
-            if exists and rng.random() < exists_fraction:  # no extra draw at 0: the sample stream stays as before
-                prompt, answers = exists[rng.randrange(len(exists))]
-            else:
-                prompt, answers = qa[rng.randrange(len(qa))]
-        out.append((i, prompt, answers[rng.randrange(len(answers))]))
+    out = [(i, *draw_example(caps, qa, rng, caption_fraction, exists_fraction, CAPTION_PROMPT))
+           for i, (caps, qa) in enumerate(zip(data["captions"], data["qa"]))]
     return tokenize_examples(out, tok)
 
 
 def encode_examples(data: dict, tok, rng: random.Random, cfg: VLMTrainConfig) -> list[tuple[int, list, list]]:
-    """The LM stage's epoch: ``sample_examples`` with ``caption_fraction`` and ``lm_exists_fraction``."""
+    """The LM stage's epoch: ``sample_examples`` with ``caption_fraction`` and ``lm_exists_fraction``
+    (``lm_pack`` > 1: rows of that many examples of one scene, ``vlm_pack.sample_packs``)."""
+    if cfg.lm_pack > 1:
+        from mmspec.testbed.vlm_pack import sample_packs
+
+        return sample_packs(data, tok, rng, cfg.caption_fraction, cfg.lm_exists_fraction, cfg.lm_pack, CAPTION_PROMPT)
     return sample_examples(data, tok, rng, cfg.caption_fraction, cfg.lm_exists_fraction)
 
 
@@ -299,10 +299,18 @@ def tokenize_examples(chosen: list[tuple[int, str, str]], tok) -> list[tuple[int
 def lm_update(model, optim, params, batch, states, tok, image_id: int, cfg: VLMTrainConfig, n_top: int,
               weight_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """One teacher-forced optimiser step of the LM stages on `batch`; (weighted loss, plain loss)."""
-    ids, mask, labels, f = lm_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
-                                    cfg.num_visual_tokens)
+    if cfg.lm_pack > 1:  # rows of lm_pack examples sharing one image (vlm_pack.py)
+        from mmspec.testbed.vlm_pack import packed_batch
+
+        ids, mask, pos, labels, f = packed_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
+                                                 cfg.num_visual_tokens)
+        pos = pos.to(cfg.device)
+    else:
+        ids, mask, labels, f = lm_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
+                                        cfg.num_visual_tokens)
+        pos = None
     loss, plain = lm_loss(model, ids.to(cfg.device), mask.to(cfg.device), labels.to(cfg.device),
-                          f.to(cfg.device), image_id, n_top, weight_ids, cfg.lm_shape_weight)
+                          f.to(cfg.device), image_id, n_top, weight_ids, cfg.lm_shape_weight, pos)
     optim.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -331,14 +339,15 @@ def shape_word_ids(tok) -> list[int]:
     return sorted({tok(w, add_special_tokens=False)["input_ids"][0] for ws in SHAPE_WORDS.values() for w in ws})
 
 
-def lm_loss(model, ids, mask, labels, states, image_id, n_top: int, weight_ids, weight: float):
+def lm_loss(model, ids, mask, labels, states, image_id, n_top: int, weight_ids, weight: float, position_ids=None):
     """(training loss, plain answer-token CE). The training loss weights the targets in ``weight_ids``
     (shape words) by ``weight``: each token's own conditional is still what it fits, the emphasis
     only steers the gradient towards the words that need the image's small objects."""
     image = model.model.multi_modal_projector(finish_tower(model, states, n_top))
     embeds = model.get_input_embeddings()(ids)
     embeds = embeds.masked_scatter((ids == image_id).unsqueeze(-1), image.to(embeds.dtype))
-    hidden = model.model.language_model(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+    hidden = model.model.language_model(inputs_embeds=embeds, attention_mask=mask,
+                                        position_ids=position_ids).last_hidden_state
     logits = model.lm_head(hidden[:, :-1])
     target = labels[:, 1:].flatten()
     ce = F.cross_entropy(logits.flatten(0, 1), target, ignore_index=-100, reduction="none")

@@ -3,10 +3,12 @@ that shows the LM more look-up questions ("is there a violet disc ?").
 
 What: starting from the ``lm`` stage's model (``OUT_work/pipeline_lm``, or ``--tune-from`` a
 saved pipeline, e.g. a bundle), ``tune_steps`` more teacher-forced steps on the same data and
-loss as the LM stage (tower frozen), learning rate ``tune_lr`` decaying to 0 on a cosine, with
+loss as the LM stage (tower frozen unless asked below), learning rate ``tune_lr`` decaying to 0 on a cosine, with
 a different mix: captions as often as before (``caption_fraction``), and of the Q/A examples a
 share ``tune_exists_fraction`` drawn from the scene's existence questions (the rest from all
-its questions, as before). The tuned pipeline replaces ``OUT_work/pipeline``, which the drafter
+its questions, as before); rows packed as in the LM stage when ``lm_pack`` > 1, and the tower's last
+``tune_tower_layers`` layers trained (learning rate x ``lm_tower_lr_scale``; 0, the default, keeps it
+frozen). The tuned pipeline replaces ``OUT_work/pipeline``, which the drafter
 and eval stages read; ``tune_steps = 0`` skips the stage (the LM stage's model stays).
 
 Why (session 17's measurements on the session-14 bundle, 200 validation scenes): its LM
@@ -38,7 +40,9 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     from tqdm import tqdm
 
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-    from mmspec.testbed.vlm_train import CAPTION_PROMPT, cache_states, lm_update, sample_examples, shape_word_ids
+    from mmspec.testbed.vlm_train import (CAPTION_PROMPT, cache_states, lm_update, sample_examples, shape_word_ids,
+                                          top_tower_layers)
+    from mmspec.testbed.vlm_pack import sample_packs
 
     source, lm_dir = Path(cfg.tune_from) if cfg.tune_from else work / "pipeline_lm", work / "pipeline_lm"
     if not cfg.tune_from and not lm_dir.is_dir():
@@ -60,10 +64,16 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     image_id = tok.convert_tokens_to_ids(processor.image_token)
     train = torch.load(work / "data_train.pt", weights_only=False)
     model.model.vision_tower.requires_grad_(False).eval()
-    states = cache_states(model, train["pixels"], cfg.device, 0)
+    n_top = cfg.tune_tower_layers  # the tower below them stays frozen, its output cached
+    states = cache_states(model, train["pixels"], cfg.device, n_top)
     del train["pixels"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.tune_lr, weight_decay=0.01)
+    top = [p for layer in top_tower_layers(model, n_top) for p in layer.parameters()]
+    for p in top:
+        p.requires_grad_(True)
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in top)]
+    optim = torch.optim.AdamW([{"params": rest, "scale": 1.0}, {"params": top, "scale": cfg.lm_tower_lr_scale}],
+                              lr=cfg.tune_lr, weight_decay=0.01)
+    params = rest + top
     weight_ids = torch.tensor(shape_word_ids(tok), device=cfg.device)
     rng = random.Random(cfg.seed + 3)
     model.train()
@@ -73,13 +83,17 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     bar = tqdm(range(cfg.tune_steps), desc="tune", disable=not cfg.progress)
     for step in bar:
         if len(pool) < cfg.lm_batch:
-            epoch = sample_examples(train, tok, rng, cfg.caption_fraction, cfg.tune_exists_fraction)  # the tune mix
+            if cfg.lm_pack > 1:  # rows of lm_pack examples sharing one image, as in the LM stage
+                epoch = sample_packs(train, tok, rng, cfg.caption_fraction, cfg.tune_exists_fraction, cfg.lm_pack,
+                                     CAPTION_PROMPT)
+            else:
+                epoch = sample_examples(train, tok, rng, cfg.caption_fraction, cfg.tune_exists_fraction)  # the tune mix
             rng.shuffle(epoch)
             pool += epoch
         batch, pool = pool[:cfg.lm_batch], pool[cfg.lm_batch:]
         for g in optim.param_groups:
-            g["lr"] = cfg.tune_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.tune_steps))
-        loss, plain = lm_update(model, optim, params, batch, states, tok, image_id, cfg, 0, weight_ids)
+            g["lr"] = cfg.tune_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.tune_steps)) * g["scale"]
+        loss, plain = lm_update(model, optim, params, batch, states, tok, image_id, cfg, n_top, weight_ids)
         bar.set_postfix(loss=f"{float(plain.detach()):.3f}")
         if step % 25 == 0 or step == cfg.tune_steps - 1:
             log["tune"].append({"step": step, "loss": float(plain.detach()), "weighted_loss": float(loss.detach())})
