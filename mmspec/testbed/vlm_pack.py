@@ -30,12 +30,12 @@ import random
 
 import torch
 
+from mmspec.testbed.vlm_eval import question_kind
+
 
 def draw_example(caps, qa, rng: random.Random, caption_fraction: float, exists_fraction: float,
                  caption_prompt: str) -> tuple[str, str]:
     """One (prompt, answer) of a scene: the unpacked LM stage's draw, consuming the same random numbers."""
-    from mmspec.testbed.vlm_eval import question_kind
-
     if rng.random() < caption_fraction or not qa:
         prompt, answers = caption_prompt, caps
     else:

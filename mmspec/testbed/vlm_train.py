@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from mmspec.devices import check_device
 from mmspec.testbed.vlm_data import stage_data
+from mmspec.testbed.vlm_pack import draw_example, packed_batch, sample_packs
 from mmspec.testbed.vlm_tower import stage_tower
 from mmspec.testbed.vlm_tune import stage_tune
 
@@ -140,8 +141,9 @@ class VLMTrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("n_train", "n_val", "tower_steps", "tower_batch", "lm_steps", "lm_batch", "lm_pack", "drafter_images",
-                     "drafter_steps", "drafter_batch", "accept_scenes", "max_new_tokens", "threads", "answer_tokens"):
+        for name in ("n_train", "n_val", "tower_steps", "tower_batch", "lm_steps", "lm_batch", "lm_pack",
+                     "drafter_images", "drafter_steps", "drafter_batch", "accept_scenes", "max_new_tokens", "threads",
+                     "answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"VLMTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_visual_tokens < 32:
@@ -244,6 +246,17 @@ def top_tower_layers(model, n: int) -> list:
     return list(layers[len(layers) - n:]) if n else []
 
 
+def lm_optimiser(model, n_top: int, lr: float, tower_lr_scale: float):
+    """(AdamW, params): the trainable parameters + the tower's last ``n_top`` layers (lr x ``tower_lr_scale``)."""
+    top = [p for layer in top_tower_layers(model, n_top) for p in layer.parameters()]
+    for p in top:
+        p.requires_grad_(True)
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in top)]
+    optim = torch.optim.AdamW([{"params": rest, "scale": 1.0}, {"params": top, "scale": tower_lr_scale}],
+                              lr=lr, weight_decay=0.01)
+    return optim, rest + top
+
+
 def tower_states(model, pixel_values: torch.Tensor, n_top: int) -> torch.Tensor:
     """Hidden states entering the last ``n_top`` tower layers, CLS kept ([B, 1 + tokens, dim])."""
     return model.model.vision_tower(pixel_values, output_hidden_states=True).hidden_states[-1 - n_top]
@@ -272,8 +285,6 @@ def sample_examples(data: dict, tok, rng: random.Random, caption_fraction: float
     caption with probability ``caption_fraction``, else a question; of the questions a share
     ``exists_fraction`` (0 = every question alike) drawn from the scene's existence questions
     ("is there a violet disc ?")."""
-    from mmspec.testbed.vlm_pack import draw_example
-
     out = [(i, *draw_example(caps, qa, rng, caption_fraction, exists_fraction, CAPTION_PROMPT))
            for i, (caps, qa) in enumerate(zip(data["captions"], data["qa"]))]
     return tokenize_examples(out, tok)
@@ -283,8 +294,6 @@ def encode_examples(data: dict, tok, rng: random.Random, cfg: VLMTrainConfig) ->
     """The LM stage's epoch: ``sample_examples`` with ``caption_fraction`` and ``lm_exists_fraction``
     (``lm_pack`` > 1: rows of that many examples of one scene, ``vlm_pack.sample_packs``)."""
     if cfg.lm_pack > 1:
-        from mmspec.testbed.vlm_pack import sample_packs
-
         return sample_packs(data, tok, rng, cfg.caption_fraction, cfg.lm_exists_fraction, cfg.lm_pack, CAPTION_PROMPT)
     return sample_examples(data, tok, rng, cfg.caption_fraction, cfg.lm_exists_fraction)
 
@@ -300,17 +309,15 @@ def lm_update(model, optim, params, batch, states, tok, image_id: int, cfg: VLMT
               weight_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """One teacher-forced optimiser step of the LM stages on `batch`; (weighted loss, plain loss)."""
     if cfg.lm_pack > 1:  # rows of lm_pack examples sharing one image (vlm_pack.py)
-        from mmspec.testbed.vlm_pack import packed_batch
-
         ids, mask, pos, labels, f = packed_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
                                                  cfg.num_visual_tokens)
-        pos = pos.to(cfg.device)
     else:
         ids, mask, labels, f = lm_batch(batch, states, [tok.bos_token_id], image_id, tok.pad_token_id,
                                         cfg.num_visual_tokens)
         pos = None
     loss, plain = lm_loss(model, ids.to(cfg.device), mask.to(cfg.device), labels.to(cfg.device),
-                          f.to(cfg.device), image_id, n_top, weight_ids, cfg.lm_shape_weight, pos)
+                          f.to(cfg.device), image_id, n_top, weight_ids, cfg.lm_shape_weight,
+                          None if pos is None else pos.to(cfg.device))
     optim.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -364,8 +371,6 @@ def cache_states(model, pixels: torch.Tensor, device, n_top: int, batch: int = 2
 
 def check_layout(processor, tok, image) -> None:
     """The training sequences are built like the processor builds them (no silent mismatch)."""
-    from mmspec.testbed.world import World  # noqa: F401  (same world as the data)
-
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
                                           "text": CAPTION_PROMPT}]}], add_generation_prompt=True)
     ref = processor(images=[image], text=[text], return_tensors="pt")["input_ids"][0].tolist()
@@ -395,13 +400,7 @@ def stage_lm(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
     states = cache_states(model, train["pixels"], cfg.device, n_top)
     check_pixels = train["pixels"][:8].float()
     del train["pixels"]
-    top = [p for layer in top_tower_layers(model, n_top) for p in layer.parameters()]
-    for p in top:
-        p.requires_grad_(True)
-    rest = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in top)]
-    optim = torch.optim.AdamW([{"params": rest, "scale": 1.0}, {"params": top, "scale": cfg.lm_tower_lr_scale}],
-                              lr=cfg.lm_lr, weight_decay=0.01)
-    params = rest + top
+    optim, params = lm_optimiser(model, n_top, cfg.lm_lr, cfg.lm_tower_lr_scale)
     weight_ids = torch.tensor(shape_word_ids(tok), device=cfg.device)
     rng = random.Random(cfg.seed + 2)
     model.train()

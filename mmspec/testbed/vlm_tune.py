@@ -40,8 +40,8 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     from tqdm import tqdm
 
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
-    from mmspec.testbed.vlm_train import (CAPTION_PROMPT, cache_states, lm_update, sample_examples, shape_word_ids,
-                                          top_tower_layers)
+    from mmspec.testbed.vlm_train import (CAPTION_PROMPT, cache_states, lm_optimiser, lm_update, sample_examples,
+                                          shape_word_ids)
     from mmspec.testbed.vlm_pack import sample_packs
 
     source, lm_dir = Path(cfg.tune_from) if cfg.tune_from else work / "pipeline_lm", work / "pipeline_lm"
@@ -67,13 +67,7 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     n_top = cfg.tune_tower_layers  # the tower below them stays frozen, its output cached
     states = cache_states(model, train["pixels"], cfg.device, n_top)
     del train["pixels"]
-    top = [p for layer in top_tower_layers(model, n_top) for p in layer.parameters()]
-    for p in top:
-        p.requires_grad_(True)
-    rest = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in top)]
-    optim = torch.optim.AdamW([{"params": rest, "scale": 1.0}, {"params": top, "scale": cfg.lm_tower_lr_scale}],
-                              lr=cfg.tune_lr, weight_decay=0.01)
-    params = rest + top
+    optim, params = lm_optimiser(model, n_top, cfg.tune_lr, cfg.lm_tower_lr_scale)
     weight_ids = torch.tensor(shape_word_ids(tok), device=cfg.device)
     rng = random.Random(cfg.seed + 3)
     model.train()
