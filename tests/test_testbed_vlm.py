@@ -367,3 +367,40 @@ def test_caption_check_against_visible_objects_uses_the_size_the_scene_was_shown
     assert evaluate(pipe, [big], progress=False)["caption_correct_visible_objects"] == 1.0
     small = World(seed=0, split="validation").scene(50)
     assert evaluate(pipe, [small], progress=False)["caption_correct_visible_objects"] == 0.0
+
+
+def test_visible_pixels_and_the_split_by_the_least_visible_object():
+    """Pixel counts against an independent disc count; a stand-in model that names exactly the
+    visible objects is wrong in the "0" bin only, and the bins hold every scene once."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from mmspec.testbed.language import noun_phrase
+    from mmspec.testbed.vlm_eval import evaluate, least_visible_bin, visible_objects, visible_pixels
+
+    disc = {"colour": "red", "shape": "circle", "x": 0.25, "y": 0.25, "r": 0.1}
+    yy, xx = np.mgrid[0:64, 0:64] + 0.5
+    # PIL fills an ellipse's bounding box inclusively: about half a pixel more radius than r
+    expected = int(((xx - 16) ** 2 + (yy - 16) ** 2 <= 6.9 ** 2).sum())  # ~150 px
+    assert abs(visible_pixels({"objects": [disc]})[0] - expected) <= 0.05 * expected
+    cover = {"colour": "blue", "shape": "square", "x": 0.25, "y": 0.25, "r": 0.3}
+    assert visible_pixels({"objects": [disc, cover]})[0] == 0
+    assert least_visible_bin({"objects": [disc, cover]}) == "0"
+    assert least_visible_bin({"objects": [disc]}) == "100-149"
+    assert least_visible_bin({"objects": [dict(disc, r=0.04)]}) == "1-29"
+    assert least_visible_bin({"objects": [cover]}) == "250+"
+
+    scenes = World(seed=0, split="validation").sample(200)
+    rng = np.random.default_rng(0)
+    texts = {id(s.image): "a photo of " + " and ".join(noun_phrase(o, rng) for o in visible_objects(s.attributes))
+             for s in scenes}
+
+    def pipe(images, prompts, **kw):
+        return SimpleNamespace(texts=[texts[id(i)] if prompts is None else "yes" for i in images])
+
+    r = evaluate(pipe, scenes, progress=False)
+    bins = r["caption_by_least_visible_px64"]
+    assert sum(n for _, n in bins.values()) == 200 and list(bins)[0] == "0" and list(bins)[-1] == "250+"
+    assert bins["0"][0] == 0 < bins["0"][1]
+    assert all(right == n for b, (right, n) in bins.items() if b != "0")

@@ -97,6 +97,8 @@ def cmd_eval_vlm(args) -> int:
         print(f"{label:24s} {r[key]:.1%} ({k}/{n}) [95% CI {r[key + '_ci95'][0]:.1%}, {r[key + '_ci95'][1]:.1%}]")
     print(f"{'captions, visible objects':24s} {r['caption_correct_visible_objects']:.1%}")
     print("captions by objects in the scene: " + ", ".join(f"{o}: {a}/{b}" for o, (a, b) in r["caption_by_objects"].items()))
+    print("captions by the least visible object's pixels at 64 px: "
+          + ", ".join(f"{b}: {a}/{c}" for b, (a, c) in r["caption_by_least_visible_px64"].items()))
     print("caption errors: " + ", ".join(f"{k} {v}" for k, v in sorted(r["caption_errors"].items())))
     print("VQA by kind: " + ", ".join(f"{k}: {a}/{b}" for k, (a, b) in r["vqa_by_kind"].items()))
     if args.json:

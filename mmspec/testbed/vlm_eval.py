@@ -20,6 +20,12 @@
   of them 3-object scenes). ``evaluate`` reports caption correctness
   against all objects (the goal's figure) and, beside it, against the visible ones: no model
   can name an object it is not shown.
+- ``visible_pixels(attrs, size=64)``: how many pixels of each object are visible at size x size
+  (in the scene's object order). ``evaluate`` splits caption correctness by the scene's least
+  visible object, counted at 64 px whatever the size shown (bins ``LEAST_VISIBLE_BINS``): a
+  caption names every object, so the scene is as hard as its most hidden object. On the 2000
+  validation scenes of seed 0, 194 have an object with fewer than 30 of its pixels visible
+  (at 64 px an object covers 80-900), and there a model that names what it sees cannot be right.
 - ``caption_error(text, attrs)``: why a caption fails (None when it is right): ``unpaired``
   (the mentions do not pair up), ``count`` (a wrong number of objects), ``shape``, ``colour``,
   ``colour+shape`` (the right number of objects, the named shapes / colours not the scene's as
@@ -112,6 +118,29 @@ def visible_objects(attrs: dict[str, Any], image_size: int = 64) -> list[dict[st
     return [o for o, c in zip(attrs["objects"], cover) if c.sum() > 0]
 
 
+def visible_pixels(attrs: dict[str, Any], image_size: int = 64) -> list[int]:
+    """Visible pixels of each object of ``attrs`` when drawn at ``image_size`` (module docstring)."""
+    from mmspec.testbed.vlm_tower import scene_labels
+    from mmspec.testbed.world import WorldConfig
+
+    _, cover, _ = scene_labels(attrs, image_size, 1, WorldConfig(image_size=image_size))
+    return [int(c.sum()) for c in cover[:len(attrs["objects"])]]
+
+
+# Bins of the least visible object's visible pixels at 64 px (lower edges; the last is open).
+LEAST_VISIBLE_BINS = (0, 1, 30, 60, 100, 150, 250)
+
+
+def least_visible_bin(attrs: dict[str, Any]) -> str:
+    """The ``LEAST_VISIBLE_BINS`` label ("0", "1-29", ..., "250+") of a scene's least visible object."""
+    least = min(visible_pixels(attrs, 64))
+    edges = LEAST_VISIBLE_BINS
+    i = max(k for k, lo in enumerate(edges) if least >= lo)
+    if i == len(edges) - 1:
+        return f"{edges[i]}+"
+    return str(edges[i]) if edges[i + 1] - edges[i] == 1 else f"{edges[i]}-{edges[i + 1] - 1}"
+
+
 def caption_error(text: str | None, attrs: dict[str, Any]) -> str | None:
     """The kind of a caption's error (module docstring), None when the caption is right."""
     pairs = caption_pairs(text or "")
@@ -177,6 +206,10 @@ def vqa_exact(answer: str | None, valid: list[str]) -> bool:
     return norm(answer) in {norm(v) for v in valid}
 
 
+def _in_bin_order(table: dict[str, list[int]]) -> dict[str, list[int]]:
+    return dict(sorted(table.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+"))))
+
+
 def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, progress: bool = True) -> dict:
     """Caption correctness and VQA accuracy (first question of each scene), plain greedy decoding."""
     from tqdm import tqdm
@@ -211,6 +244,8 @@ def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, pr
         "vqa_exact_phrase_accuracy": sum(vqa_exact_ok) / max(len(scenes), 1),
         "caption_by_objects": split([len(s.attributes["objects"]) for s in scenes], cap_ok),  # [right, scenes]
         "caption_errors": dict(sorted(Counter(e for e in errors if e is not None).items())),
+        # [right, scenes] by the least visible object's visible pixels at 64 px, in bin order
+        "caption_by_least_visible_px64": _in_bin_order(split([least_visible_bin(s.attributes) for s in scenes], cap_ok)),
         "vqa_by_kind": split([question_kind(s.qa[0][0]) for s in scenes], vqa_ok),  # [right, questions]
         "examples": [{"caption": c, "caption_ok": ok, "question": s.qa[0][0], "answer": a, "answer_ok": aok}
                      for c, ok, a, aok, s in list(zip(captions, cap_ok, answers, vqa_ok, scenes))[:8]],
