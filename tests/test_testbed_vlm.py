@@ -404,3 +404,20 @@ def test_visible_pixels_and_the_split_by_the_least_visible_object():
     assert sum(n for _, n in bins.values()) == 200 and list(bins)[0] == "0" and list(bins)[-1] == "250+"
     assert bins["0"][0] == 0 < bins["0"][1]
     assert all(right == n for b, (right, n) in bins.items() if b != "0")
+
+
+def test_data_stage_renders_the_same_tensors_with_any_number_of_processes():
+    """`render` splits the scenes into ranges of 1024 over `--threads` forked processes writing
+    into one shared pixel tensor; each scene draws from its own index's stream, so 1 and 2
+    processes give equal tensors, captions and Q/A (3 ranges here, the last one short)."""
+    from mmspec.testbed.vlm_data import render
+    from mmspec.testbed.vlm_train import VLMTrainConfig, build_processor
+
+    cfg = VLMTrainConfig(image_size=32, patch_size=4, threads=2, progress=False)
+    proc = build_processor(cfg)
+    one, two = render(cfg, "train", 2100, proc, workers=1), render(cfg, "train", 2100, proc, workers=2)
+    assert one["pixels"].shape == (2100, 3, 32, 32) and one["patches"].shape == (2100, 64) and one["pixels"].abs().sum() > 0
+    for key in one:
+        assert (torch.equal(one[key], two[key]) if torch.is_tensor(one[key]) else one[key] == two[key]), key
+    last = render(cfg, "train", 2100, proc, workers=1)  # a scene's pixels do not depend on its range either
+    assert torch.equal(render(cfg, "train", 3, proc, workers=1)["pixels"], last["pixels"][:3])
