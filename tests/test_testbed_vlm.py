@@ -404,6 +404,14 @@ def test_visible_pixels_and_the_split_by_the_least_visible_object():
     assert sum(n for _, n in bins.values()) == 200 and list(bins)[0] == "0" and list(bins)[-1] == "250+"
     assert bins["0"][0] == 0 < bins["0"][1]
     assert all(right == n for b, (right, n) in bins.items() if b != "0")
+    from mmspec.testbed.vlm_compare import wilson
+
+    right = sum(r for r, _ in bins.values())
+    assert r["caption_correct"] == right / 200 and r["caption_correct_ci95"] == wilson(right, 200)
+    low, high = r["caption_correct_ci95"]
+    assert low < right / 200 < high and high - low > 0.05  # 200 scenes: several points either way
+    yes = sum(vqa_correct("yes", s.qa[0][1]) for s in scenes)  # the stand-in answers "yes" to every question
+    assert r["vqa_accuracy"] == yes / 200 and r["vqa_accuracy_ci95"] == wilson(yes, 200)
 
 
 def test_data_stage_renders_the_same_tensors_with_any_number_of_processes():

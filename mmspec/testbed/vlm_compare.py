@@ -93,7 +93,6 @@ def cmd_eval_vlm(args) -> int:
     n = r["scenes"]
     for key, label in (("caption_correct", "caption correctness"), ("vqa_accuracy", "VQA accuracy (synonyms)")):
         k = round(r[key] * n)
-        r[key + "_ci95"] = wilson(k, n)
         print(f"{label:24s} {r[key]:.1%} ({k}/{n}) [95% CI {r[key + '_ci95'][0]:.1%}, {r[key + '_ci95'][1]:.1%}]")
     print(f"{'captions, visible objects':24s} {r['caption_correct_visible_objects']:.1%}")
     print("captions by objects in the scene: " + ", ".join(f"{o}: {a}/{b}" for o, (a, b) in r["caption_by_objects"].items()))
