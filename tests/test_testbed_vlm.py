@@ -404,7 +404,7 @@ def test_visible_pixels_and_the_split_by_the_least_visible_object():
     assert sum(n for _, n in bins.values()) == 200 and list(bins)[0] == "0" and list(bins)[-1] == "250+"
     assert bins["0"][0] == 0 < bins["0"][1]
     assert all(right == n for b, (right, n) in bins.items() if b != "0")
-    from mmspec.testbed.vlm_compare import wilson
+    from mmspec.testbed.vlm_eval import wilson
 
     right = sum(r for r, _ in bins.values())
     assert r["caption_correct"] == right / 200 and r["caption_correct_ci95"] == wilson(right, 200)

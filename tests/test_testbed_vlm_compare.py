@@ -73,11 +73,12 @@ def test_compare_vlm_refuses_bad_counts():
 def test_wilson_interval_matches_scipy():
     from scipy.stats import binomtest
 
-    from mmspec.testbed.vlm_compare import wilson
+    from mmspec.testbed.vlm_eval import wilson
 
     for k, n in ((159, 200), (0, 12), (12, 12), (1515, 2000)):
         ref = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
         assert wilson(k, n) == pytest.approx([ref.low, ref.high], abs=1e-6)
+    assert wilson(0, 0) == [0.0, 1.0]  # no scenes: nothing known, not a division by zero
 
 
 def test_eval_vlm_cli_reports_rates_with_intervals(tmp_path, capsys):

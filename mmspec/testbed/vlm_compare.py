@@ -69,14 +69,6 @@ def compare(dir_a: str, dir_b: str, *, scenes: int = 200, seed: int = 0, max_new
     return out
 
 
-def wilson(k: int, n: int, z: float = 1.959964) -> list[float]:
-    """95% Wilson score interval of a proportion k / n."""
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return [centre - half, centre + half]
-
-
 def cmd_eval_vlm(args) -> int:
     import torch
 

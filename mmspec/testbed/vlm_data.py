@@ -9,8 +9,8 @@ processor is saved beside them (``work/processor``).
 
 Why: rendering the default 108000 scenes takes about 3 minutes on 2 cores (2.6 GB of fp16
 pixels; one process per ``--threads``, each scene from its own index's random stream, so the
-data do not depend on the number of processes); the tower, LM, tune and drafter stages all read the same tensors, so reruns of a
-later stage start from them.
+data do not depend on the number of processes); the tower, LM, tune and drafter stages all read
+the same tensors, so reruns of a later stage start from them.
 """
 
 from __future__ import annotations
@@ -77,15 +77,14 @@ def render(cfg, split: str, n: int, processor, workers: int | None = None) -> di
 
     workers = max(1, cfg.threads if workers is None else workers)
     side = cfg.image_size
-    pixels = torch.empty(n, 3, side, side, dtype=torch.float16)  # replaced by a shared one for workers
     step = 1024
     ranges = [(a, min(a + step, n)) for a in range(0, n, step)]
     parts: dict[int, dict] = {}
     bar = tqdm(total=n, desc=f"render {split}", disable=not cfg.progress)
     if workers > 1 and len(ranges) > 1 and "fork" in multiprocessing.get_all_start_methods():
         # an anonymous shared mapping, inherited by the forked workers (no /dev/shm needed)
-        buf = mmap.mmap(-1, max(pixels.numel() * 2, 1))
-        pixels = torch.frombuffer(buf, dtype=torch.float16, count=pixels.numel()).view(n, 3, side, side)
+        numel = n * 3 * side * side
+        pixels = torch.frombuffer(mmap.mmap(-1, numel * 2), dtype=torch.float16, count=numel).view(n, 3, side, side)
         _WORKER.update(cfg=cfg, split=split, processor=processor, pixels=pixels)
         try:
             with multiprocessing.get_context("fork").Pool(min(workers, len(ranges))) as pool:
@@ -95,6 +94,7 @@ def render(cfg, split: str, n: int, processor, workers: int | None = None) -> di
         finally:
             _WORKER.clear()
     else:
+        pixels = torch.empty(n, 3, side, side, dtype=torch.float16)
         for a, b in ranges:
             parts[a] = _render_range(cfg, split, a, b, processor, pixels)
             bar.update(b - a)

@@ -45,6 +45,7 @@ are not checked); the VQA check knows the default grammar's words only.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from typing import Any
@@ -112,11 +113,7 @@ def caption_correct(text: str | None, attrs: dict[str, Any]) -> bool:
 
 def visible_objects(attrs: dict[str, Any], image_size: int = 64) -> list[dict[str, Any]]:
     """The objects of ``attrs`` with >= 1 visible pixel when drawn at ``image_size`` (module docstring)."""
-    from mmspec.testbed.vlm_tower import scene_labels
-    from mmspec.testbed.world import WorldConfig
-
-    _, cover, _ = scene_labels(attrs, image_size, image_size, WorldConfig(image_size=image_size))
-    return [o for o, c in zip(attrs["objects"], cover) if c.sum() > 0]
+    return [o for o, v in zip(attrs["objects"], visible_pixels(attrs, image_size)) if v > 0]
 
 
 def visible_pixels(attrs: dict[str, Any], image_size: int = 64) -> list[int]:
@@ -128,18 +125,29 @@ def visible_pixels(attrs: dict[str, Any], image_size: int = 64) -> list[int]:
     return [int(c.sum()) for c in cover[:len(attrs["objects"])]]
 
 
-# Bins of the least visible object's visible pixels at 64 px (lower edges; the last is open).
+# Bins of the least visible object's visible pixels at 64 px (lower edges; the last is open) and
+# their labels, in order: "0", "1-29", "30-59", ..., "250+".
 LEAST_VISIBLE_BINS = (0, 1, 30, 60, 100, 150, 250)
+LEAST_VISIBLE_LABELS = tuple(
+    f"{lo}+" if hi is None else str(lo) if hi - lo == 1 else f"{lo}-{hi - 1}"
+    for lo, hi in zip(LEAST_VISIBLE_BINS, LEAST_VISIBLE_BINS[1:] + (None,)))
 
 
-def least_visible_bin(attrs: dict[str, Any]) -> str:
-    """The ``LEAST_VISIBLE_BINS`` label ("0", "1-29", ..., "250+") of a scene's least visible object."""
-    least = min(visible_pixels(attrs, 64))
-    edges = LEAST_VISIBLE_BINS
-    i = max(k for k, lo in enumerate(edges) if least >= lo)
-    if i == len(edges) - 1:
-        return f"{edges[i]}+"
-    return str(edges[i]) if edges[i + 1] - edges[i] == 1 else f"{edges[i]}-{edges[i + 1] - 1}"
+def least_visible_bin(attrs: dict[str, Any], pixels64: list[int] | None = None) -> str:
+    """The ``LEAST_VISIBLE_LABELS`` entry of a scene's least visible object (``pixels64``: its
+    ``visible_pixels(attrs, 64)`` when already computed)."""
+    least = min(visible_pixels(attrs, 64) if pixels64 is None else pixels64)
+    return LEAST_VISIBLE_LABELS[max(k for k, lo in enumerate(LEAST_VISIBLE_BINS) if least >= lo)]
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> list[float]:
+    """The Wilson score interval [low, high] of a rate k / n (95% for the default z); [0, 1] for n = 0."""
+    if n == 0:
+        return [0.0, 1.0]
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [centre - half, centre + half]
 
 
 def caption_error(text: str | None, attrs: dict[str, Any]) -> str | None:
@@ -207,10 +215,6 @@ def vqa_exact(answer: str | None, valid: list[str]) -> bool:
     return norm(answer) in {norm(v) for v in valid}
 
 
-def _in_bin_order(table: dict[str, list[int]]) -> dict[str, list[int]]:
-    return dict(sorted(table.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+"))))
-
-
 def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, progress: bool = True) -> dict:
     """Caption correctness and VQA accuracy (first question of each scene), plain greedy decoding."""
     from tqdm import tqdm
@@ -224,8 +228,11 @@ def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, pr
         answers += pipe(imgs, [s.qa[0][0] for s in chunk], max_new_tokens=max_new_tokens, speculative=False).texts
     errors = [caption_error(t, s.attributes) for t, s in zip(captions, scenes)]
     cap_ok = [e is None for e in errors]
-    cap_visible_ok = [caption_correct(t, {"objects": visible_objects(s.attributes, s.image.size[0])})  # at the size shown
-                      for t, s in zip(captions, scenes)]
+    pixels64 = [visible_pixels(s.attributes, 64) for s in scenes]
+    shown = [p if s.image.size[0] == 64 else visible_pixels(s.attributes, s.image.size[0])  # at the size shown
+             for p, s in zip(pixels64, scenes)]
+    cap_visible_ok = [caption_correct(t, {"objects": [o for o, v in zip(s.attributes["objects"], px) if v > 0]})
+                      for t, s, px in zip(captions, scenes, shown)]
     vqa_ok = [vqa_correct(a, s.qa[0][1]) for a, s in zip(answers, scenes)]
     vqa_exact_ok = [vqa_exact(a, s.qa[0][1]) for a, s in zip(answers, scenes)]
 
@@ -237,22 +244,21 @@ def evaluate(pipe, scenes, *, max_new_tokens: int = 48, batch_size: int = 16, pr
             row[1] += 1
         return dict(sorted(table.items()))
 
-    from mmspec.testbed.vlm_compare import wilson
-
     n = max(len(scenes), 1)
+    by_least = split([least_visible_bin(s.attributes, p) for s, p in zip(scenes, pixels64)], cap_ok)
     return {
         "scenes": len(scenes),
         "caption_correct": sum(cap_ok) / n,
         # 95% Wilson intervals: on the 200 scenes of train-vlm's eval stage they are ~+-6 points wide
-        "caption_correct_ci95": wilson(sum(cap_ok), n),
-        "vqa_accuracy_ci95": wilson(sum(vqa_ok), n),
+        "caption_correct_ci95": wilson(sum(cap_ok), len(scenes)),
+        "vqa_accuracy_ci95": wilson(sum(vqa_ok), len(scenes)),
         "caption_correct_visible_objects": sum(cap_visible_ok) / n,
         "vqa_accuracy": sum(vqa_ok) / n,
         "vqa_exact_phrase_accuracy": sum(vqa_exact_ok) / n,
         "caption_by_objects": split([len(s.attributes["objects"]) for s in scenes], cap_ok),  # [right, scenes]
         "caption_errors": dict(sorted(Counter(e for e in errors if e is not None).items())),
         # [right, scenes] by the least visible object's visible pixels at 64 px, in bin order
-        "caption_by_least_visible_px64": _in_bin_order(split([least_visible_bin(s.attributes) for s in scenes], cap_ok)),
+        "caption_by_least_visible_px64": {b: by_least[b] for b in LEAST_VISIBLE_LABELS if b in by_least},
         "vqa_by_kind": split([question_kind(s.qa[0][0]) for s in scenes], vqa_ok),  # [right, questions]
         "examples": [{"caption": c, "caption_ok": ok, "question": s.qa[0][0], "answer": a, "answer_ok": aok}
                      for c, ok, a, aok, s in list(zip(captions, cap_ok, answers, vqa_ok, scenes))[:8]],
