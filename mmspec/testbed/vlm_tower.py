@@ -136,7 +136,7 @@ def stage_tower(cfg, work: Path, log: dict) -> dict:
     from mmspec.testbed.vlm_train import build_model, lr_at
 
     processor = AutoProcessor.from_pretrained(work / "processor")
-    train = torch.load(work / "data_train.pt", weights_only=False)
+    train = torch.load(work / "data_train.pt", weights_only=False, mmap=True)  # pixels read from disk as used
     val = torch.load(work / "data_validation.pt", weights_only=False)
     if "cover" not in train:
         raise RuntimeError(f"{work}/data_train.pt has no object labels (made by an older version): "

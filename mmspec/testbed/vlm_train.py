@@ -392,7 +392,7 @@ def stage_lm(cfg: VLMTrainConfig, work: Path, log: dict) -> dict:
     tok = processor.tokenizer
     image_id = tok.convert_tokens_to_ids(processor.image_token)
     check_layout(processor, tok, World(seed=cfg.seed, split="validation", image_size=cfg.image_size).scene(0).image)
-    train = torch.load(work / "data_train.pt", weights_only=False)
+    train = torch.load(work / "data_train.pt", weights_only=False, mmap=True)  # pixels read from disk as used
     model = build_model(cfg, len(tok), image_id).to(cfg.device)
     model.model.vision_tower.load_state_dict(torch.load(work / "tower.pt"))
     model.model.vision_tower.requires_grad_(False).eval()

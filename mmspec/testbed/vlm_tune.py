@@ -62,7 +62,7 @@ def stage_tune(cfg, work: Path, log: dict) -> dict:
     model, processor = loaded.target.to(cfg.device), loaded.processor
     tok = processor.tokenizer
     image_id = tok.convert_tokens_to_ids(processor.image_token)
-    train = torch.load(work / "data_train.pt", weights_only=False)
+    train = torch.load(work / "data_train.pt", weights_only=False, mmap=True)  # pixels read from disk as used
     model.model.vision_tower.requires_grad_(False).eval()
     n_top = cfg.tune_tower_layers  # the tower below them stays frozen, its output cached
     states = cache_states(model, train["pixels"], cfg.device, n_top)
