@@ -15,10 +15,13 @@
 #   b1        text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention choice,
 #   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
 # Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
-# All steps take ~15 minutes; a device call may run 10 (and a session holds ~15 in all), so split
-# them: STEPS=tests,vlm,imagegen (~8 min), then STEPS=mar,b4,b1 on the still-warm machine.
+# A device call may run 10 minutes and a session holds ~15 in all, machine starts included, so split
+# them: session 38 (H100) ran STEPS=tests,mar,b4 in 305 s (tests 70 s, b4 85 s; mar at 2 rounds ran
+# out of its 120 s during batch 8, so it runs one round now), then vlm, imagegen and mar at one round
+# in 265 s on the still-warm machine. The benches write their JSON after each batch size (marked
+# "partial" until they finish), so a step stopped at its bound keeps what it measured.
 # SECONDS (default 540) bounds the whole script; each step gets what is left (vlm at most 160 s,
-# imagegen 200 s, mar 120 s). Figures and logs go to OUTDIR (8 files: the device tool brings back 8;
+# imagegen 200 s, mar 150 s). Figures and logs go to OUTDIR (8 files: the device tool brings back 8;
 # SDPA_PROBE=1 adds a ninth, so drop a step then).
 # A `.whl/` folder of wheels is installed first when present: the machine has torch and
 # transformers' own dependencies but not diffusers, einops or pillow (session 30), so carry
@@ -67,7 +70,7 @@ fi
 
 if step mar; then
 echo "== bench mar on the GPU: the testbed MAR pair at batch 1 and 8 ($(left) s left)"
-bounded $(( $(left) > 200 ? 120 : $(left) - 60 )) python3 -m mmspec.cli bench mar --model "$ROOT/assets/testbed/mar" --device cuda --no-judge --repeats 2 \
+bounded $(( $(left) > 230 ? 150 : $(left) - 60 )) python3 -m mmspec.cli bench mar --model "$ROOT/assets/testbed/mar" --device cuda --no-judge --repeats 1 \
   --json "$OUT/bench_mar_cuda.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 fi
 

@@ -58,7 +58,8 @@ def _bench_config(args):
 def cmd_bench(args) -> int:
     if args.suite == "imagegen":
         return cmd_bench_imagegen(args)
-    from mmspec.bench.core import format_table, run, save
+    from mmspec.bench.core import format_table, run
+    from mmspec.bench.report import save
 
     config = _bench_config(args)
     report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -71,6 +72,7 @@ def cmd_bench(args) -> int:
 
 def cmd_bench_imagegen(args) -> int:
     from mmspec.bench.imagegen import DEFAULT_MODEL, ImageBenchConfig, format_table, run, save
+    from mmspec.bench.report import partial_saver
 
     kw = dict(model=args.model or DEFAULT_MODEL, batch_sizes=args.batch_sizes, images=args.images,
               repeats=args.repeats, guidance_scale=args.guidance_scale, temperature=args.temperature,
@@ -83,7 +85,7 @@ def cmd_bench_imagegen(args) -> int:
         config = ImageBenchConfig(**kw)
     except ValueError as e:
         raise SystemExit(f"mmspec bench imagegen: {e}") from None
-    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=partial_saver(args.json))
     print(format_table(report))
     if args.json:
         save(report, args.json)

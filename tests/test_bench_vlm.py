@@ -18,7 +18,9 @@ def test_bench_vlm_variants(tmp_path):
                          repeats=1, warmup_scenes=1, threads=1, verify_widths=(1, 4), tree=(3, 2, 4),
                          tree_drafters=("vispec",), auto_drafters=("vispec",), auto_max_draft_tokens=3,
                          draft_lengths=(2, 5))
-    report = run(cfg)
+    seen = []
+    report = run(cfg, checkpoint=lambda r: seen.append(len(r["runs"])))
+    assert seen == [1]  # called once the (one) task and batch size has its rows
     (rows,) = [r["methods"] for r in report["runs"]]
     # the bundled ViSpec drafter is saved with K = 5: that chain is row "vispec", not repeated
     assert report["model"]["num_draft_tokens"]["vispec"] == 5

@@ -59,10 +59,19 @@ def test_generate_jacobi_and_bad_class(folder, tmp_path, capsys):
         main(["generate", "--model", str(tmp_path / "missing"), "--class", "1", "--out", str(tmp_path / "bad")])
 
 
-def test_bench_imagegen_smoke(folder, tmp_path, capsys):
+def test_bench_imagegen_smoke(folder, tmp_path, capsys, monkeypatch):
+    import mmspec.bench.report as report_module
+
     path = tmp_path / "bench.json"
+    partial, write = [], report_module.save
+    monkeypatch.setattr(report_module, "save", lambda r, p: (partial.append((r.get("partial"), len(r["batches"]))),
+                                                              write(r, p)))
     main(["bench", "imagegen", "--model", str(folder), "--smoke", "--threads", "1", "--json", str(path)])
+    # after each of the smoke run's two batch sizes (the final write goes through the patch too when
+    # the bench module is first imported after it)
+    assert [w for w in partial if w[0]] == [(True, 1), (True, 2)]
     report = json.loads(path.read_text())
+    assert "partial" not in report
     rows = report["batches"][0]["methods"]
     assert set(rows) >= {"plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal"}
     assert rows["plain"]["forwards_per_image"] == 16.0 and rows["plain"]["speedup_vs_plain"] == 1.0

@@ -91,11 +91,20 @@ def test_generate_refuses_options_of_the_other_kind(folder, tmp_path):
             _generate(discrete, tmp_path / "x", "--class", "1", *extra)
 
 
-def test_bench_mar_json(folder, tmp_path, capsys):
+def test_bench_mar_json(folder, tmp_path, capsys, monkeypatch):
+    import mmspec.bench.report as report_module
+
     path = tmp_path / "bench.json"
+    partial, write = [], report_module.save
+    # each batch size's figures are written as soon as they exist, marked partial (a run stopped at a
+    # time limit keeps them); the final write replaces them without the mark
+    monkeypatch.setattr(report_module, "save", lambda r, p: (partial.append((p, r.get("partial"), len(r["batches"]))),
+                                                              write(r, p)))
     main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "2", "--num-images", "3", "--repeats", "1",
           "--threads", "1", "--json", str(path)])
+    assert [w for w in partial if w[1]] == [(str(path), True, 1), (str(path), True, 2)]
     report = json.loads(path.read_text())
+    assert "partial" not in report
     assert [b["batch_size"] for b in report["batches"]] == [1, 2] and "judge" not in report  # judge off by default
     assert report["config"]["num_iter"] == 4 and report["model"]["image_tokens"] == 16
     assert report["config"]["temperature"] == 1.0  # no metrics.json: MAR's own default

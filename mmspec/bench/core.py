@@ -15,7 +15,6 @@ runs after one warm-up.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -258,6 +257,3 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def save(report: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)

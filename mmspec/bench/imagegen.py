@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mmspec.adaptive import summarize
+from mmspec.bench.report import save
 from mmspec.devices import check_device, device_name
 from mmspec.models.llamagen_spec import llamagen_target
 from mmspec.testbed.judge_model import JUDGE_DIR
@@ -265,7 +266,8 @@ def _drafter_model(pipe):
     return _DRAFTER_MODEL.get(id(pipe))
 
 
-def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
+def run(cfg: ImageBenchConfig, progress=lambda m: None, checkpoint=None) -> dict:
+    """The report; `checkpoint(report)`, if given, after each batch size (see `save`)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     pipe = load_pipeline(cfg.model)
@@ -350,6 +352,8 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None) -> dict:
                 rows[m][key] = summarize([k for x in runs[m] for k in x["drafted_per_step"]])
         entry["methods"] = rows
         report["batches"].append(entry)
+        if checkpoint is not None:
+            checkpoint(report)
         # Each batch size's figures as soon as they exist (a run cut short by a time limit keeps them).
         progress(f"batch {B}: speed-up vs plain " + ", ".join(f"{m} {rows[m]['speedup_vs_plain']:.2f}x" for m in methods))
     if cfg.judge_images > 0:
@@ -391,11 +395,6 @@ def format_table(report: dict) -> str:
         for name, s in report["judge"].items():
             lines.append(f"  {name:<26} accuracy {s['accuracy']:.3f}  frechet {s['frechet']:.3f}")
     return "\n".join(lines)
-
-
-def save(report: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 DEMO_METHODS = ("plain", "exact/model", "exact/jacobi-maximal", "lantern/model", "gsd/jacobi-maximal",

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from mmspec.cli_types import positive_int
+from mmspec.bench.report import partial_saver, save
 from mmspec.devices import check_device, device_name
 from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
 from mmspec.testbed.judge_model import JUDGE_DIR
@@ -215,7 +216,8 @@ def judge_quality(pipe, cfg: MARBenchConfig, call: dict, progress) -> dict:
     return out
 
 
-def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
+def run(cfg: MARBenchConfig, progress=lambda m: None, checkpoint=None) -> dict:
+    """The report; `checkpoint(report)`, if given, after each batch size (see `save`)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     pipe = load_mar(cfg.model)
@@ -272,6 +274,8 @@ def run(cfg: MARBenchConfig, progress=lambda m: None) -> dict:
                 "ms_per_draft_call": _median_or_none(x["ms_per_draft_call"] for x in xs),
             }
         report["batches"].append({"batch_size": B, "methods": rows})
+        if checkpoint is not None:
+            checkpoint(report)
     if cfg.judge is not None:
         report["judge"] = judge_quality(pipe, cfg, call, progress)
     return report
@@ -307,11 +311,6 @@ def format_table(report: dict) -> str:
 
 def _ms(v) -> str:
     return "-" if v is None else f"{v:.1f}"
-
-
-def save(report: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def _batch_sizes(values: list[str]) -> tuple[int, ...]:
@@ -387,7 +386,7 @@ def main(argv: list[str]) -> int:
                              inner_temperature=args.inner_temperature, draft_head_steps=args.draft_head_steps,
                              seed=args.seed, threads=args.threads, judge=judge, judge_images=args.judge_images,
                              plain_iters=plain_iters, device=args.device)
-        report = run(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        report = run(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=partial_saver(args.json))
     except ValueError as e:
         raise SystemExit(f"mmspec bench mar: {e}") from None
     print(format_table(report))

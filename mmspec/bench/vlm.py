@@ -30,6 +30,7 @@ import torch
 
 from mmspec.adaptive import summarize
 from mmspec.cli_types import positive_int
+from mmspec.bench.report import partial_saver, save
 from mmspec.devices import check_device, device_name
 
 # The bundled VLM, found from the installed package (the repository root holds assets/).
@@ -256,7 +257,8 @@ def verify_cost(pipe, images, B: int, widths, calls: int = 20) -> dict:
     return time_widths(lambda Q: target.verify(batches[Q], None), widths, rounds=calls, device=dev)
 
 
-def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
+def run(cfg: VLMBenchConfig, progress=lambda m: None, checkpoint=None) -> dict:
+    """The report; `checkpoint(report)`, if given, after each task and batch size (see `save`)."""
     from mmspec.testbed.world import World
 
     if cfg.threads:
@@ -328,6 +330,8 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None) -> dict:
                     rows[m]["drafted_per_step"] = summarize([w for x in rounds for w in x[m]["widths"]])
             report["runs"].append({"task": task, "batch_size": B, "scenes": len(images), "verify_cost": cost,
                                    "methods": rows, "sample": rounds[-1]["plain"]["texts"][:3]})
+            if checkpoint is not None:
+                checkpoint(report)
     return report
 
 
@@ -367,11 +371,6 @@ def format_table(report: dict) -> str:
             if x.get("drafted_per_step"):
                 lines.append(f"  {name}: drafted per step (tokens or nodes: steps) {x['drafted_per_step']}")
     return "\n".join(lines)
-
-
-def save(report: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def demo(model: str = DEFAULT_MODEL, *, scenes: int = 6, batch_sizes=(1, 4), max_new_tokens: int = 32,
@@ -467,7 +466,7 @@ def main(argv: list[str]) -> int:
                                 auto_max_draft_tokens=a.auto_max_draft_tokens, draft_lengths=a.draft_lengths,
                                 length_drafters=a.length_drafters, generate=not a.no_generate, device=a.device,
                                 temperature=a.temperature, acceptance=a.acceptance)
-        report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=partial_saver(a.json))
     except ValueError as e:
         raise SystemExit(f"mmspec bench vlm: {e}") from None
     print(format_table(report))
