@@ -104,6 +104,26 @@ def test_the_first_request_is_not_counted():
     assert bandit.rate(1, 4) == pytest.approx(100.0, rel=0.15)
 
 
+def test_the_first_request_at_each_batch_size_is_not_counted():
+    """A request at a batch size not met before runs at shapes not met before (on a GPU its first
+    calls are dear): it is not recorded, so a cold first reading of the widest window (the
+    warm-up's first arm) does not rank plain decoding or a narrower window above it."""
+    rates = {1: {0: 100.0, 2: 110.0, 4: 130.0, 8: 150.0, 16: 170.0},
+             8: {0: 100.0, 2: 105.0, 4: 110.0, 8: 120.0, 16: 135.0}}
+    bandit, rng = WindowBandit(16), random.Random(5)
+    for _ in range(20):
+        run_request(bandit, 1, lambda b, k: rates[b][k], rng)
+    assert bandit.best(1) == 16
+    first = run_request(bandit, 8, lambda b, k: rates[b][k] / 2.5, rng)  # cold: 2.5x slower
+    bandit.begin_request()
+    assert first == 16 and all(bandit.rate(8, a) is None for a in bandit.arms)
+    for _ in range(12):
+        run_request(bandit, 8, lambda b, k: rates[b][k], rng)
+    # counted, the cold reading (54 tokens/s) would have left window 16 out of the warm-up's second
+    # pass (below 70% of window 8's 120) and ranked window 8 first for ~40 requests
+    assert bandit.warmed_up(8) and bandit.best(8) == 16
+
+
 def test_bandit_and_drafter_refusals():
     with pytest.raises(ValueError, match="max_window"):
         WindowBandit(0)
