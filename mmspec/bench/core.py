@@ -255,5 +255,3 @@ def format_table(report: dict) -> str:
                 lines.append(f"batch {r['batch']}: mmspec ({r['kernels']}) runs at {value:.2f}x the speed of transformers' "
                              f"assisted generation ({peer}) [{what}]")
     return "\n".join(lines)
-
-

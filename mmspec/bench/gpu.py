@@ -34,12 +34,12 @@ not fit and says so. On a machine without CUDA it refuses `--device cuda`; `--sh
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from mmspec.bench.report import save
 from mmspec.bench.core import _interleaved, _prompts, _record_forwards, _replay
 from mmspec.devices import check_device, device_name
 
@@ -354,8 +354,7 @@ def run(config: GpuBenchConfig, progress=print, json_path: str | None = None) ->
         report["info"]["attention_choice"] = choices()
         progress(format_table(report))
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump(report, f, indent=1)
+            save(report, json_path)
     return report
 
 

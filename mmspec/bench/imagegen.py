@@ -352,9 +352,9 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None, checkpoint=None) -> dict
                 rows[m][key] = summarize([k for x in runs[m] for k in x["drafted_per_step"]])
         entry["methods"] = rows
         report["batches"].append(entry)
+        # Each batch size's figures as soon as they exist (a run cut short by a time limit keeps them).
         if checkpoint is not None:
             checkpoint(report)
-        # Each batch size's figures as soon as they exist (a run cut short by a time limit keeps them).
         progress(f"batch {B}: speed-up vs plain " + ", ".join(f"{m} {rows[m]['speedup_vs_plain']:.2f}x" for m in methods))
     if cfg.judge_images > 0:
         lossy = [m for m in methods if method_spec(m)[2] not in LOSSLESS]
