@@ -15,6 +15,7 @@ _LAZY = {
     "MARPipelineOutput": "mmspec.pipelines.mar_pipeline",
     "MARStats": "mmspec.pipelines.cspd",
     "sample_mar": "mmspec.pipelines.cspd",
+    "sample_mar_self": "mmspec.pipelines.cspd_self",
     # class-conditional AR image generation (LlamaGen c2i)
     "SpeculativeARImagePipeline": "mmspec.pipelines.ar_image",
     "ARImagePipelineOutput": "mmspec.pipelines.ar_image",

@@ -86,6 +86,7 @@ class MARStats:
     fallbacks: int = 0  # residual samples that used the explicit fallback
     bonus_steps: int = 0
     rounds: int = 0
+    residual_tries: int = 0  # residual proposals drawn (self-drafted sampling: whole target trajectories)
 
     @property
     def acceptance_rate(self) -> float:
@@ -147,6 +148,48 @@ class _Predictor:
         return out
 
 
+@dataclass
+class MARRun:
+    """What every MAR sampler of one request derives from its arguments (validated)."""
+
+    labels: torch.Tensor  # [B] long, on the target's device
+    noise: MARNoise
+    pos_step: torch.Tensor  # [B, L] long: the generation step of every position
+    cfg_of_step: torch.Tensor  # [num_iter] float64: guidance scale of each step
+
+
+def setup_run(target, class_labels, num_iter, guidance_scale, cfg_schedule, temperature, generator, noise) -> MARRun:
+    """Validate a request's common arguments and derive its schedule, noise and step map."""
+    if not isinstance(target, MARModel):
+        raise TypeError(f"target must be a mmspec.models.mar.MARModel, got {type(target).__name__}")
+    check_generator(generator)
+    cfg = target.config
+    L, D, S = target.seq_len, target.token_embed_dim, target.diffloss.gen.num_steps
+    masked, lens = mar_schedule(L, num_iter)
+    if not isinstance(class_labels, torch.Tensor) or class_labels.dim() != 1 or class_labels.dtype != torch.long:
+        raise ValueError("class_labels must be a 1-D long tensor of class ids")
+    if class_labels.numel() and (int(class_labels.min()) < 0 or int(class_labels.max()) >= cfg.class_num):  # SYNC: validation
+        raise ValueError(f"class_labels must be in [0, {cfg.class_num}), got {class_labels.tolist()}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not (isinstance(guidance_scale, (int, float)) and math.isfinite(guidance_scale)):
+        raise ValueError(f"guidance_scale must be a finite number, got {guidance_scale!r}")
+    cfg_of_step = _cfg_scales(lens, L, float(guidance_scale), cfg_schedule)
+    B = class_labels.shape[0]
+    dev, dtype = target.device, target.dtype
+    if noise is None:
+        noise = draw_noise(B, L, D, S, generator, dev, dtype)
+    elif tuple(noise.init.shape) != (B, L, D) or tuple(noise.steps.shape) != (B, L, S - 1, D):
+        raise ValueError(f"noise must be drawn for [B, L, D] = {[B, L, D]} with {S} head steps")
+    # rank[b, p]: place of position p in row b's order; step s reveals ranks [masked[s+1], masked[s])
+    rank = torch.empty_like(noise.orders)
+    rank.scatter_(1, noise.orders, torch.arange(L, device=dev).expand(B, L))
+    rank_step = torch.empty(L, dtype=torch.long)
+    for s in range(num_iter):
+        rank_step[masked[s + 1]: masked[s]] = s
+    return MARRun(class_labels.to(dev), noise, rank_step.to(dev)[rank], cfg_of_step)
+
+
 @torch.no_grad()
 def sample_mar(
     target,
@@ -169,21 +212,7 @@ def sample_mar(
     `callback(steps_done)` is called after every target call with the smallest step reached.
     `noise` replaces the orders and diffusion noise drawn from `generator` (studies, tests)."""
     t0 = time.perf_counter()
-    if not isinstance(target, MARModel):
-        raise TypeError(f"target must be a mmspec.models.mar.MARModel, got {type(target).__name__}")
-    check_generator(generator)
-    cfg = target.config
-    L, D, S = target.seq_len, target.token_embed_dim, target.diffloss.gen.num_steps
-    masked, lens = mar_schedule(L, num_iter)
-    if not isinstance(class_labels, torch.Tensor) or class_labels.dim() != 1 or class_labels.dtype != torch.long:
-        raise ValueError("class_labels must be a 1-D long tensor of class ids")
-    if class_labels.numel() and (int(class_labels.min()) < 0 or int(class_labels.max()) >= cfg.class_num):  # SYNC: validation
-        raise ValueError(f"class_labels must be in [0, {cfg.class_num}), got {class_labels.tolist()}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not (isinstance(guidance_scale, (int, float)) and math.isfinite(guidance_scale)):
-        raise ValueError(f"guidance_scale must be a finite number, got {guidance_scale!r}")
-    cfg_of_step = _cfg_scales(lens, L, float(guidance_scale), cfg_schedule)
+    run = setup_run(target, class_labels, num_iter, guidance_scale, cfg_schedule, temperature, generator, noise)
     if drafter is not None:
         check_drafter(target, drafter)
         if temperature <= 0:
@@ -195,20 +224,9 @@ def sample_mar(
         if not 0.0 <= prefill_fraction <= 1.0:
             raise ValueError(f"prefill_fraction must be in [0, 1], got {prefill_fraction!r}")
     acceptance = acceptance or ContinuousAcceptance()
-    B = class_labels.shape[0]
+    B, L, D = run.labels.shape[0], target.seq_len, target.token_embed_dim
     dev, dtype = target.device, target.dtype
-    labels = class_labels.to(dev)
-    if noise is None:
-        noise = draw_noise(B, L, D, S, generator, dev, dtype)
-    elif tuple(noise.init.shape) != (B, L, D) or tuple(noise.steps.shape) != (B, L, S - 1, D):
-        raise ValueError(f"noise must be drawn for [B, L, D] = {[B, L, D]} with {S} head steps")
-    # rank[b, p]: place of position p in row b's order; step s reveals ranks [masked[s+1], masked[s])
-    rank = torch.empty_like(noise.orders)
-    rank.scatter_(1, noise.orders, torch.arange(L, device=dev).expand(B, L))
-    rank_step = torch.empty(L, dtype=torch.long)
-    for s in range(num_iter):
-        rank_step[masked[s + 1]: masked[s]] = s
-    pos_step = rank_step.to(dev)[rank]  # [B, L]: generation step of every position
+    labels, noise, pos_step, cfg_of_step = run.labels, run.noise, run.pos_step, run.cfg_of_step
     tgt = _Predictor(target, labels, guidance_scale, cfg_of_step, noise, float(temperature), final_step_noise)
     drf = None if drafter is None else _Predictor(drafter, labels, guidance_scale, cfg_of_step, noise, float(temperature), True,
                                                   name="drafter")

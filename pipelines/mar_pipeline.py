@@ -29,6 +29,7 @@ from diffusers.utils import BaseOutput, is_accelerate_available
 from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
 from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, sample_mar
+from mmspec.pipelines.cspd_self import sample_mar_self
 
 
 @dataclass
@@ -73,14 +74,18 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         temperature: float = 1.0,
         acceptance="continuous",
         speculative: bool = True,
-        num_draft_steps: int = 4,
+        draft: str = "model",
+        num_draft_steps: int | None = None,
         prefill_fraction: float = 0.15,
         generator: torch.Generator | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
     ):
         """Generate one image per class label. -> `MARPipelineOutput(images, stats)` (or a
-        tuple when return_dict=False)."""
+        tuple when return_dict=False). `draft`: "model" (CSpD with the registered drafter MAR,
+        `num_draft_steps` default 4) or "self" (the target drafts from its own earlier
+        conditioning and drafts are verified along their whole denoising path; no drafter needed;
+        default 3 steps a round; `pipelines/cspd_self.py`)."""
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")
         if not isinstance(return_dict, bool):  # diffusers reads any truthy value as True
@@ -98,14 +103,29 @@ class SpeculativeMARPipeline(DiffusionPipeline):
             raise ValueError(f"output_type must be 'pil', 'np', 'pt' or 'latent', got {output_type!r}")
         self.check_vae()
         mar_schedule(self.transformer.seq_len, num_iter)  # validates num_iter before the progress bar is drawn
+        rule_object = not isinstance(acceptance, str)
         if isinstance(acceptance, str):
             if acceptance not in CONTINUOUS_RULES:
                 raise ValueError(f"acceptance must be one of {sorted(CONTINUOUS_RULES)} or a ContinuousAcceptance, got {acceptance!r}")
             acceptance = CONTINUOUS_RULES[acceptance]()
         elif not isinstance(acceptance, ContinuousAcceptance):
             raise ValueError(f"acceptance must be a name or a ContinuousAcceptance instance, got {type(acceptance).__name__}")
+        if draft not in ("model", "self"):
+            raise ValueError(f"draft must be 'model' (the registered drafter MAR) or 'self' (the target's own stale "
+                             f"conditioning), got {draft!r}")
+        if num_draft_steps is None:
+            num_draft_steps = 3 if draft == "self" else 4
+        self_draft = speculative and draft == "self"
+        if self_draft and type(acceptance) is not ContinuousAcceptance:
+            raise ValueError("draft='self' verifies whole denoising paths exactly; it takes only acceptance='continuous' "
+                             f"or a ContinuousAcceptance (got {type(acceptance).__name__}); relaxed rules are offered "
+                             "with draft='model'")
+        # a ContinuousAcceptance given as an object sets the residual's proposals: tries_per_block
+        # target paths a round, max_tries in all (the sampler's own defaults otherwise)
+        tries = dict(residual_tries=acceptance.tries_per_block, max_residual_tries=acceptance.max_tries) if (
+            self_draft and rule_object) else {}
         drafter = None
-        if speculative:
+        if speculative and not self_draft:
             if self.drafter is None:
                 raise ValueError("speculative=True needs a drafter: pass drafter= to the pipeline or use speculative=False")
             check_drafter(self.transformer, self.drafter)
@@ -117,11 +137,17 @@ class SpeculativeMARPipeline(DiffusionPipeline):
             bar.update(steps_done - done[0])
             done[0] = steps_done
 
-        tokens, stats = sample_mar(
-            self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
-            temperature=temperature, drafter=drafter, num_draft_steps=num_draft_steps, prefill_fraction=prefill_fraction,
-            acceptance=acceptance, generator=generator, callback=callback,
-        )
+        if self_draft:
+            tokens, stats = sample_mar_self(
+                self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
+                temperature=temperature, num_draft_steps=num_draft_steps, generator=generator, callback=callback, **tries,
+            )
+        else:
+            tokens, stats = sample_mar(
+                self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
+                temperature=temperature, drafter=drafter, num_draft_steps=num_draft_steps,
+                prefill_fraction=prefill_fraction, acceptance=acceptance, generator=generator, callback=callback,
+            )
         bar.close()
         latents = self.transformer.unpatchify(tokens)
         if output_type == "latent":

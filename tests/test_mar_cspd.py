@@ -40,7 +40,7 @@ class GaussianHead(DiffLoss):
     def cond_embedding(self, z, z_uncond=None):
         return None
 
-    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None):
+    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None, per_row_t=False):  # t per row either way
         ac = self.train_schedule.alphas_cumprod.to(x.dtype)[t_orig][:, None]
         m = z @ self.W
         if z_uncond is not None:

@@ -175,6 +175,17 @@ class HeadTrajectory:
     sample: torch.Tensor  # [N, D] the emitted token
     mean: torch.Tensor  # [N, D] mean of the last (t = 0) Gaussian step
     std: torch.Tensor  # [N, D] its standard deviation (temperature applied), > 0
+    # With record=True: the input of every step (column c: step i = S-1-c; column 0 is x_T)
+    # and the log density [N] float64 of the whole path under this head (see log_density_along).
+    states: torch.Tensor | None = None
+    log_density: torch.Tensor | None = None
+
+
+def _log_normal(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Diagonal Gaussian log density summed over the last dim, without the 2 pi constant
+    (every head's densities leave it out alike, so ratios are exact)."""
+    z = (x - mean) / std
+    return (-0.5 * z * z - torch.log(std)).sum(-1)
 
 
 class DiffLoss(nn.Module):
@@ -202,16 +213,20 @@ class DiffLoss(nn.Module):
         """cond_embed of z ([z; z_uncond] under CFG): constant along a trajectory, so computed once."""
         return self.net.cond_embed(z if z_uncond is None else torch.cat([z, z_uncond]))
 
-    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None):
+    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None, per_row_t: bool = False):
         """eps (guided when z_uncond is given) and variance logits v, each [N, D].
         t_orig [N] holds ONE timestep for all tokens (a sampler step; its embedding is computed
-        once from t_orig[0]). c_emb: cond_embed of z (cat of z, z_uncond under CFG), computed once
-        by the caller."""
+        once from t_orig[0]) unless per_row_t. c_emb: cond_embed of z (cat of z, z_uncond under
+        CFG), computed once by the caller."""
         D = self.in_channels
         net = self.net
         if c_emb is None:
             c_emb = self.cond_embedding(z, z_uncond)
-        y = net.time_embed(t_orig[:1]) + c_emb  # one timestep for all tokens: embed it once
+        if per_row_t:
+            te = net.time_embed(t_orig)
+            y = (te if z_uncond is None else torch.cat([te, te])) + c_emb
+        else:
+            y = net.time_embed(t_orig[:1]) + c_emb  # one timestep for all tokens: embed it once
         if z_uncond is None:
             out = net.forward_y(x, y)
             return out[:, :D], out[:, D:]
@@ -226,14 +241,38 @@ class DiffLoss(nn.Module):
         dev = x.device
         t_orig = torch.full((x.shape[0],), int(s.timestep_map[i]), dtype=torch.long, device=dev)
         eps, v = self._model_out(x, t_orig, z, z_uncond, cfg, c_emb)
+        return self._mean_std(x, eps, v, lambda a: float(a[i]), temperature)
+
+    def _mean_std(self, x, eps, v, at, temperature: float):
+        """Mean and std (float64) of a step from the head's eps and variance logits; `at(a)`
+        picks a schedule constant of the step (a float, or a column for one step per row)."""
+        s = self.gen
         eps, v, x64 = eps.double(), v.double(), x.double()
-        pred_x0 = float(s.sqrt_recip_ac[i]) * x64 - float(s.sqrt_recipm1_ac[i]) * eps
+        pred_x0 = at(s.sqrt_recip_ac) * x64 - at(s.sqrt_recipm1_ac) * eps
         if self.clip_x0 is not None:  # improved-diffusion's clip_denoised, generalised to [-c, c]
             pred_x0 = pred_x0.clamp(-self.clip_x0, self.clip_x0)
-        mean = float(s.coef1[i]) * pred_x0 + float(s.coef2[i]) * x64
+        mean = at(s.coef1) * pred_x0 + at(s.coef2) * x64
         frac = (v + 1) / 2
-        log_var = frac * float(s.max_log[i]) + (1 - frac) * float(s.min_log[i])
+        log_var = frac * at(s.max_log) + (1 - frac) * at(s.min_log)
         return mean, torch.exp(0.5 * log_var) * temperature
+
+    def log_density_along(self, states, sample, z, z_uncond=None, cfg=None, temperature: float = 1.0) -> torch.Tensor:
+        """Log density [N] float64 of given denoising paths under this head: states [N, S, D]
+        (the input of each step, as `trajectory(record=True)` returns them), sample [N, D] (the
+        last step's output). The S steps of every path are evaluated in one batched call (the
+        states are given, so nothing is sequential)."""
+        N, S, D = states.shape
+        s = self.gen
+        if S != s.num_steps:
+            raise ValueError(f"states hold {S} steps; this head samples in {s.num_steps}")
+        dev = states.device
+        idx = torch.arange(S - 1, -1, -1, device=dev).repeat(N)  # flat row n*S + c -> step i = S-1-c
+        rep = lambda a: None if a is None else a.repeat_interleave(S, 0)
+        x = states.reshape(N * S, D)
+        eps, v = self._model_out(x, s.timestep_map.to(dev)[idx], rep(z), rep(z_uncond), rep(cfg), None, per_row_t=True)
+        mean, std = self._mean_std(x, eps, v, lambda a: a.to(dev)[idx][:, None], temperature)
+        out = torch.cat([states[:, 1:], sample[:, None].to(states.dtype)], 1).reshape(N * S, D).double()
+        return _log_normal(out, mean, std).reshape(N, S).sum(1)
 
     def trajectory(
         self,
@@ -245,19 +284,32 @@ class DiffLoss(nn.Module):
         z_uncond: torch.Tensor | None = None,  # [N, Z] unconditional z for CFG
         cfg: torch.Tensor | None = None,  # [N] guidance scale per token
         temperature: float = 1.0,
+        record: bool = False,
     ) -> HeadTrajectory:
-        """Denoise N tokens along the given noises; deterministic given them."""
+        """Denoise N tokens along the given noises; deterministic given them. record=True also
+        returns every step's input and the path's log density under this head."""
         S = self.gen.num_steps
         if step_noise.shape[1] < S - 1:
             raise ValueError(f"step_noise has {step_noise.shape[1]} steps; this head samples in {S} and needs {S - 1}")
+        if record and final_noise is None:
+            raise ValueError("record=True needs final_noise: a path without a last Gaussian step has no density")
         x = init_noise.to(z.dtype)
         c_emb = self.cond_embedding(z, z_uncond)
+        states, log_density = [], 0.0
         for col, i in enumerate(range(S - 1, 0, -1)):
             mean, std = self.gaussian_step(x, i, z, z_uncond, cfg, temperature, c_emb)
+            states.append(x)
             x = (mean + std * step_noise[:, col].double()).to(z.dtype)
+            if record:  # the density of the value the next step reads (cast to z's dtype)
+                log_density = log_density + _log_normal(x.double(), mean, std)
         mean, std = self.gaussian_step(x, 0, z, z_uncond, cfg, temperature, c_emb)
         sample = mean if final_noise is None else mean + std * final_noise.double()
-        return HeadTrajectory(sample=sample.to(z.dtype), mean=mean, std=std)
+        sample = sample.to(z.dtype)
+        if not record:
+            return HeadTrajectory(sample=sample, mean=mean, std=std)
+        states.append(x)
+        log_density = log_density + _log_normal(sample.double(), mean, std)
+        return HeadTrajectory(sample=sample, mean=mean, std=std, states=torch.stack(states, 1), log_density=log_density)
 
     # -- training ------------------------------------------------------------------------
 
