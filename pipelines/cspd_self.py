@@ -71,7 +71,8 @@ class _Heads:
 
     def __init__(self, model, labels, guidance_scale, cfg_of_step, temperature):
         self.m, self.labels, self.guided = model, labels, guidance_scale != 1.0
-        self.cfg_of_step, self.temperature = cfg_of_step.to(model.device), temperature
+        self.dtype = model.dtype  # (a diffusers model's dtype walks its modules: read it once)
+        self.cfg_of_step, self.temperature = cfg_of_step.to(model.device, self.dtype), temperature
 
     def forward(self, tokens, known, seq_rows):
         """z (and unconditional z under CFG) [Q, L, Z] for Q sequences of rows seq_rows."""
@@ -84,7 +85,7 @@ class _Heads:
         return z.chunk(2)
 
     def cfg(self, steps):
-        return self.cfg_of_step[steps].to(self.m.dtype) if self.guided else None
+        return self.cfg_of_step[steps] if self.guided else None
 
     def paths(self, zc, zu, steps, init, step_noise, final):
         out = self.m.diffloss.trajectory(zc, init, step_noise, final, z_uncond=zu, cfg=self.cfg(steps),
@@ -126,8 +127,10 @@ def sample_mar_self(
     noise=None,
 ) -> tuple[torch.Tensor, MARStats]:
     """Sample token maps [B, L, D] with self-drafted CSpD (module docstring). `num_draft_steps`
-    stale steps are drafted per round; a rejected token draws `residual_tries` target paths per
-    round, at most `max_residual_tries` in all before its counted fallback."""
+    stale steps are drafted per round; a rejected token draws `residual_tries` target paths in
+    the next round (four times as many in a round after one without success, at most
+    `max_residual_tries` a round) and falls back (counted: a plain target path) once it has
+    drawn `max_residual_tries` or more without success."""
     t0 = time.perf_counter()
     run = setup_run(target, class_labels, num_iter, guidance_scale, cfg_schedule, temperature, generator, noise)
     if not temperature > 0:
@@ -136,7 +139,7 @@ def sample_mar_self(
                     ("max_residual_tries", max_residual_tries)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    K, T = num_draft_steps, residual_tries
+    K = num_draft_steps
     B, L, D = run.labels.shape[0], target.seq_len, target.token_embed_dim
     S = target.diffloss.gen.num_steps
     dev, dtype = target.device, target.dtype
@@ -171,6 +174,10 @@ def sample_mar_self(
         d_row, d_pos = d_sel.nonzero(as_tuple=True)
         p_row, p_pos = pending.nonzero(as_tuple=True)
         n_d, n_p = d_row.numel(), p_row.numel()
+        # a residual still open after a round of proposals gets four times as many in the next
+        # (few tokens need more than one round; those that do are the ones p and q barely separate)
+        T = min(residual_tries * (4 if n_p and bool((tries[p_row, p_pos] > 0).any()) else 1),  # SYNC: once a round
+                max_residual_tries)
         c_row, c_pos = p_row.repeat_interleave(T), p_pos.repeat_interleave(T)
         zc_in = torch.cat([zc[d_row, d_pos], pend_zc[c_row, c_pos]])
         zu_in = None if zu is None else torch.cat([zu[d_row, d_pos], pend_zu[c_row, c_pos]])

@@ -4,12 +4,14 @@ pipeline folder from a discrete image-generator folder. Imports stay inside the 
 
     mmspec generate --model DIR --class N [N ...] [--num-images K] [--num-iter S] [--guidance-scale G]
                     [--cfg-schedule linear|constant] [--temperature T] [--num-draft-steps K]
-                    [--prefill-fraction F] [--acceptance continuous] [--compare] [--json] --out DIR
+                    [--prefill-fraction F] [--draft model|self] [--acceptance continuous] [--compare]
+                    [--json] --out DIR
 
 A folder is a MAR folder when its model_index.json names `SpeculativeMARPipeline` (never
 guessed from the path). Options of the other kind of pipeline are refused, naming the option:
 MAR folders take no Jacobi drafter, window, coupling, top-k or discrete acceptance rule;
-discrete folders take no --num-iter, --cfg-schedule, --num-draft-steps or --prefill-fraction.
+discrete folders take no --num-iter, --cfg-schedule, --num-draft-steps, --prefill-fraction or
+--draft.
 `--compare` also samples plainly (the same MAR code without the drafter) on the same seed and
 writes both images side by side; CSpD samples are distributed like plain ones, not equal to
 them, so the two images of a pair differ where a draft was rejected.
@@ -29,7 +31,7 @@ MAKE_ONE = "make one with `mmspec testbed train-mar --out DIR` and pass --model 
 
 # generate options that only MAR folders take (dest names; their parser default is None)
 MAR_ONLY = {"num_iter": "--num-iter", "cfg_schedule": "--cfg-schedule", "num_draft_steps": "--num-draft-steps",
-            "prefill_fraction": "--prefill-fraction"}
+            "prefill_fraction": "--prefill-fraction", "draft": "--draft"}
 # generate options that only discrete (SpeculativeARImagePipeline) folders take
 DISCRETE_ONLY = {"window": "--window", "coupling": "--coupling", "top_k": "--top-k"}
 DISCRETE_DEFAULTS = {"acceptance": "exact", "window": "auto", "coupling": "maximal"}
@@ -83,7 +85,11 @@ def add_generate_options(p) -> None:
     g = p.add_argument_group("MAR folders (SpeculativeMARPipeline)")
     g.add_argument("--num-iter", type=int, default=None, help="generation steps (default: the folder's, else 64)")
     g.add_argument("--cfg-schedule", choices=("linear", "constant"), default=None, help="default linear")
-    g.add_argument("--num-draft-steps", type=int, default=None, help="generation steps drafted per round (default 4)")
+    g.add_argument("--draft", choices=("model", "self"), default=None,
+                   help="who drafts: the folder's drafter MAR (model, default) or the target from its own earlier "
+                   "conditioning, verified along whole denoising paths (self; no drafter needed)")
+    g.add_argument("--num-draft-steps", type=int, default=None,
+                   help="generation steps drafted per round (default 4; 3 with --draft self)")
     g.add_argument("--prefill-fraction", type=float, default=None,
                    help="fraction of the steps the target runs itself first (default 0.15)")
 
@@ -129,8 +135,10 @@ def cmd_generate_mar(args, model: str) -> int:
         raise SystemExit(f"mmspec generate: {e}") from None
     move_pipeline(pipe, args.device)
     pipe.set_progress_bar_config(disable=args.json)
-    if pipe.drafter is None:
-        raise SystemExit(f"mmspec generate: {model} has no drafter MAR, so it cannot sample speculatively")
+    draft = args.draft or "model"
+    if pipe.drafter is None and draft == "model":
+        raise SystemExit(f"mmspec generate: {model} has no drafter MAR, so it cannot sample speculatively with it "
+                         "(--draft self needs none)")
     n_cls = pipe.transformer.config.class_num
     bad = [c for c in args.class_ if not 0 <= c < n_cls]
     if bad:
@@ -142,9 +150,10 @@ def cmd_generate_mar(args, model: str) -> int:
                 guidance_scale=args.guidance_scale if args.guidance_scale is not None else defaults["guidance_scale"],
                 cfg_schedule=args.cfg_schedule or "linear",
                 temperature=args.temperature if args.temperature is not None else defaults["temperature"],
-                acceptance=args.acceptance or "continuous",
-                num_draft_steps=args.num_draft_steps if args.num_draft_steps is not None else 4,
-                prefill_fraction=args.prefill_fraction if args.prefill_fraction is not None else 0.15)
+                acceptance=args.acceptance or "continuous", draft=draft,
+                num_draft_steps=args.num_draft_steps if args.num_draft_steps is not None else (3 if draft == "self" else 4))
+    if draft == "model" or args.prefill_fraction is not None:  # (the pipeline refuses it with --draft self)
+        call["prefill_fraction"] = args.prefill_fraction if args.prefill_fraction is not None else 0.15
     labels = [c for c in args.class_ for _ in range(args.num_images)]
     os.makedirs(args.out, exist_ok=True)
     try:
@@ -162,7 +171,7 @@ def cmd_generate_mar(args, model: str) -> int:
         img.save(os.path.join(args.out, name))
     s = out.stats
     summary = {"model": model, "pipeline": "SpeculativeMARPipeline", "classes": args.class_, "images": len(labels),
-               **call, "speculative": "cspd", "seed": args.seed, "seconds": round(spec_s, 3),
+               **call, "speculative": "cspd" if draft == "model" else "cspd-self", "seed": args.seed, "seconds": round(spec_s, 3),
                "target_forwards_per_image": round(s.target_forwards_per_image, 3),
                "draft_forwards_per_image": float(s.spec.draft_calls), "acceptance_rate": round(s.acceptance_rate, 4),
                "accepted_tokens": s.accepted_tokens, "judged_tokens": s.judged_tokens,
@@ -184,7 +193,7 @@ def cmd_generate_mar(args, model: str) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"wrote {len(labels)} images to {args.out} in {spec_s:.2f}s (CSpD, acceptance={call['acceptance']}, "
+    print(f"wrote {len(labels)} images to {args.out} in {spec_s:.2f}s (CSpD, draft={draft}, acceptance={call['acceptance']}, "
           f"{call['num_iter']} steps); acceptance rate {s.acceptance_rate:.3f}, target forwards per image "
           f"{s.target_forwards_per_image:.0f}, draft forwards per image {s.spec.draft_calls}, fallbacks {s.fallbacks}")
     if args.compare:

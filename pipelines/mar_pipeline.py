@@ -76,14 +76,14 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         speculative: bool = True,
         draft: str = "model",
         num_draft_steps: int | None = None,
-        prefill_fraction: float = 0.15,
+        prefill_fraction: float | None = None,
         generator: torch.Generator | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
     ):
         """Generate one image per class label. -> `MARPipelineOutput(images, stats)` (or a
         tuple when return_dict=False). `draft`: "model" (CSpD with the registered drafter MAR,
-        `num_draft_steps` default 4) or "self" (the target drafts from its own earlier
+        `num_draft_steps` default 4, `prefill_fraction` default 0.15) or "self" (the target drafts from its own earlier
         conditioning and drafts are verified along their whole denoising path; no drafter needed;
         default 3 steps a round; `pipelines/cspd_self.py`)."""
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
@@ -115,6 +115,10 @@ class SpeculativeMARPipeline(DiffusionPipeline):
                              f"conditioning), got {draft!r}")
         if num_draft_steps is None:
             num_draft_steps = 3 if draft == "self" else 4
+        if draft == "self" and prefill_fraction is not None:
+            raise ValueError("prefill_fraction is for draft='model' (the target's first steps before a drafter MAR "
+                             "takes over); draft='self' has none: each round starts from the target's own conditioning")
+        prefill_fraction = 0.15 if prefill_fraction is None else prefill_fraction
         self_draft = speculative and draft == "self"
         if self_draft and type(acceptance) is not ContinuousAcceptance:
             raise ValueError("draft='self' verifies whole denoising paths exactly; it takes only acceptance='continuous' "

@@ -70,6 +70,18 @@ def test_generate_compare_uses_the_same_seed(tmp_path, capsys):
         assert np.array_equal(np.asarray(Image.open(out / name)), np.asarray(Image.open(out / ("plain_" + name))))
 
 
+def test_generate_draft_self(folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    _generate(folder, out, "--class", "2", "--num-images", "2", "--draft", "self", "--json")
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["speculative"] == "cspd-self" and s["draft"] == "self" and s["num_draft_steps"] == 3
+    assert "prefill_fraction" not in s and s["draft_forwards_per_image"] > 0 and len(s["files"]) == 2
+    with pytest.raises(SystemExit, match="prefill_fraction is for draft='model'"):
+        _generate(folder, tmp_path / "x", "--class", "1", "--draft", "self", "--prefill-fraction", "0.2")
+    with pytest.raises(SystemExit, match="it takes only acceptance='continuous'"):
+        _generate(folder, tmp_path / "x", "--class", "1", "--draft", "self", "--acceptance", "continuous-relaxed")
+
+
 def test_generate_refuses_options_of_the_other_kind(folder, tmp_path):
     from test_ar_image_pipeline import make_pipe
 
@@ -86,7 +98,7 @@ def test_generate_refuses_options_of_the_other_kind(folder, tmp_path):
     discrete = tmp_path / "mar"  # a discrete generator in a folder named like a MAR one
     make_pipe(torch.float32).save_pretrained(discrete)
     for extra, flag in ((("--num-iter", "4"), "--num-iter"), (("--cfg-schedule", "constant"), "--cfg-schedule"),
-                        (("--num-draft-steps", "2"), "--num-draft-steps")):
+                        (("--num-draft-steps", "2"), "--num-draft-steps"), (("--draft", "self"), "--draft")):
         with pytest.raises(SystemExit, match=f"{flag} is for MAR folders"):
             _generate(discrete, tmp_path / "x", "--class", "1", *extra)
 
@@ -116,8 +128,11 @@ def test_bench_mar_json(folder, tmp_path, capsys, monkeypatch):
         assert 0.0 <= cspd["acceptance_rate"] <= 1.0 and cspd["fallbacks"] >= 0 and cspd["speedup_vs_plain"] > 0
         relaxed = b["methods"]["cspd-relaxed"]
         assert 0.0 <= relaxed["acceptance_rate"] <= 1.0 and relaxed["draft_forwards_per_image"] > 0
+        own = b["methods"]["cspd-self"]  # the target drafting from its own earlier conditioning
+        assert own["target_forwards_per_image"] <= 4.0 and own["draft_forwards_per_image"] > 0
+        assert 0.0 <= own["acceptance_rate"] <= 1.0 and own["fallbacks"] >= 0
         # the fewer-steps peers (default: half and a quarter of the 4 steps): one target forward per step
-        assert list(b["methods"])[3:] == ["plain@2", "plain@1"]
+        assert list(b["methods"])[4:] == ["plain@2", "plain@1"]
         for n in (2, 1):
             peer = b["methods"][f"plain@{n}"]
             assert peer["target_forwards_per_image"] == n and peer["draft_forwards_per_image"] == 0
@@ -126,9 +141,14 @@ def test_bench_mar_json(folder, tmp_path, capsys, monkeypatch):
     assert "speed-up" in text and "cspd-relaxed" in text
     main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
           "--threads", "1", "--inner-temperature", "0", "--plain-iters", "0", "--json", str(path)])
+    assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd", "cspd-self"]
+    main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
+          "--threads", "1", "--inner-temperature", "0", "--self-draft-steps", "0", "--plain-iters", "0",
+          "--json", str(path)])
     assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd"]
     main(["bench", "mar", "--model", str(folder), "--batch-sizes", "1", "--num-images", "1", "--repeats", "1",
-          "--threads", "1", "--inner-temperature", "0", "--plain-iters", "3,3", "--json", str(path)])
+          "--threads", "1", "--inner-temperature", "0", "--self-draft-steps", "0", "--plain-iters", "3,3",
+          "--json", str(path)])
     assert list(json.loads(path.read_text())["batches"][0]["methods"]) == ["plain", "cspd", "plain@3"]
     with pytest.raises(SystemExit, match=r"plain_iters \[9\] are not fewer than the 4 generation steps"):
         main(["bench", "mar", "--model", str(folder), "--num-images", "1", "--plain-iters", "3,9"])
@@ -175,8 +195,8 @@ def test_bench_mar_judge_scores_both_methods(tmp_path):
     folder = save_pair(tmp_path / "world", img_size=64, vae_stride=16, class_num=32)
     report = run(MARBenchConfig(model=str(folder), batch_sizes=(2,), num_images=2, repeats=1, num_iter=3,
                                 threads=1, judge=str(JUDGE_DIR), judge_images=4))
-    assert list(report["judge"]) == ["plain", "cspd", "cspd-relaxed", "plain@1"]  # 3 // 2 = 1, 3 // 4 = 0 dropped
-    for m in ("plain", "cspd", "cspd-relaxed", "plain@1"):
+    assert list(report["judge"]) == ["plain", "cspd", "cspd-self", "cspd-relaxed", "plain@1"]  # 3 // 2 = 1, 3 // 4 = 0 dropped
+    for m in ("plain", "cspd", "cspd-self", "cspd-relaxed", "plain@1"):
         s = report["judge"][m]
         assert s["images"] == 4 and 0.0 <= s["accuracy"] <= 1.0 and s["frechet"] >= 0.0
 
@@ -188,6 +208,6 @@ def test_demo_mar_section(folder, tmp_path):
     assert "\n" not in text and "MAR section skipped" in text and "mmspec testbed train-mar" in text
     assert not (tmp_path / "demo").exists()
     text = demo_section(str(tmp_path / "demo"), model=folder, threads=1)
-    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 3 * 32)
+    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 4 * 32)  # plain, cspd, cspd-self, relaxed
     report = json.loads((tmp_path / "demo" / "mar_demo.json").read_text())
     assert [b["batch_size"] for b in report["batches"]] == [1, 4] and "speed-up" in text

@@ -40,7 +40,12 @@ class GaussianHead(DiffLoss):
     def cond_embedding(self, z, z_uncond=None):
         return None
 
-    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None, per_row_t=False):  # t per row either way
+    def _path_model_out(self, x, t_steps, z, z_uncond, cfg):  # paths of S steps, flattened path-major
+        S = t_steps.shape[0]
+        rep = lambda a: None if a is None else a.repeat_interleave(S, 0)
+        return self._model_out(x, t_steps.repeat(z.shape[0]), rep(z), rep(z_uncond), rep(cfg))
+
+    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None):  # t per row
         ac = self.train_schedule.alphas_cumprod.to(x.dtype)[t_orig][:, None]
         m = z @ self.W
         if z_uncond is not None:

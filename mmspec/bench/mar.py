@@ -13,7 +13,10 @@ judged drafted tokens, residual samples and bounded acceptance-rejection fallbac
 judge on (`--judge DIR`; by default on only for folders trained by `mmspec testbed train-mar`,
 whose classes are the judge's) it scores `--judge-images` plain and CSpD images each (class
 accuracy, Frechet distance to the judge's real reference). Exact CSpD (`cspd`) may only
-differ from plain sampling by sampling noise; `cspd-relaxed` (on by default,
+differ from plain sampling by sampling noise, as may `cspd-self` (`--self-draft-steps`, default
+3, 0 to leave it out: the target drafts from its own earlier conditioning and each draft is
+verified along its whole denoising path; no drafter model; pays at one or few tokens per step,
+e.g. `--num-iter` equal to the number of tokens); `cspd-relaxed` (on by default,
 `--inner-temperature`, 0 to leave it out) runs the accept test of CSpD's public code, whose
 Gaussians are widened by an inner temperature (42 there): lossy, so its quality is measured
 beside its speed. The peer of a lossy speed-up is plain sampling in fewer generation steps (MAR
@@ -49,7 +52,7 @@ from mmspec.devices import check_device, device_name
 from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
 from mmspec.testbed.judge_model import JUDGE_DIR
 JUDGE_IMAGE_SIZE = 64  # the testbed world's image size, which the judge was trained on
-METHODS = ("plain", "cspd", "cspd-relaxed")
+METHODS = ("plain", "cspd", "cspd-self", "cspd-relaxed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class MARBenchConfig:
     prefill_fraction: float = 0.15
     acceptance: str = "continuous"
     inner_temperature: float = 42.0  # cspd-relaxed's; 0: no cspd-relaxed rows
+    self_draft_steps: int = 3  # cspd-self's drafted steps a round; 0: no cspd-self rows
     seed: int = 0
     threads: int | None = None
     judge: str | None = None  # judge folder; None: no judge
@@ -84,6 +88,8 @@ class MARBenchConfig:
             raise ValueError(f"judge_images must be >= 2 (Frechet needs a covariance), got {self.judge_images}")
         if not (self.inner_temperature == 0 or self.inner_temperature >= 1):
             raise ValueError(f"inner_temperature must be 0 (no relaxed rows) or >= 1, got {self.inner_temperature}")
+        if isinstance(self.self_draft_steps, bool) or not isinstance(self.self_draft_steps, int) or self.self_draft_steps < 0:
+            raise ValueError(f"self_draft_steps must be an int >= 0 (0: no cspd-self rows), got {self.self_draft_steps!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.draft_head_steps is not None and self.draft_head_steps < 2:
@@ -117,7 +123,8 @@ def fewer_iters(cfg: MARBenchConfig, num_iter: int) -> tuple[int, ...]:
 def methods(cfg: MARBenchConfig, num_iter: int | None = None) -> tuple[str, ...]:
     """Row names: plain, exact CSpD, relaxed CSpD (if on) and, given the call's `num_iter`, the
     `plain@N` peers."""
-    base = METHODS if cfg.inner_temperature else METHODS[:2]
+    base = tuple(m for m in METHODS if (m != "cspd-relaxed" or cfg.inner_temperature)
+                 and (m != "cspd-self" or cfg.self_draft_steps))
     return base + (() if num_iter is None else tuple(f"plain@{n}" for n in fewer_iters(cfg, num_iter)))
 
 
@@ -129,6 +136,9 @@ def method_call(cfg: MARBenchConfig, call: dict, method: str) -> dict:
         from mmspec.acceptance import RelaxedContinuousAcceptance
 
         return {**call, "speculative": True, "acceptance": RelaxedContinuousAcceptance(cfg.inner_temperature)}
+    if method == "cspd-self":  # the target drafts from its own stale conditioning (no pre-filling)
+        rest = {k: v for k, v in call.items() if k != "prefill_fraction"}
+        return {**rest, "speculative": True, "draft": "self", "num_draft_steps": cfg.self_draft_steps}
     return {**call, "speculative": method != "plain"}
 
 
@@ -345,6 +355,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=None, help="default: the folder's")
     p.add_argument("--num-draft-steps", type=int, default=4)
     p.add_argument("--prefill-fraction", type=float, default=0.15)
+    p.add_argument("--self-draft-steps", type=int, default=3,
+                   help="cspd-self rows (the target drafts from its own earlier conditioning, verified along whole "
+                   "denoising paths): steps drafted a round (0: no such rows)")
     p.add_argument("--inner-temperature", type=float, default=42.0,
                    help="cspd-relaxed rows: CSpD's public-code accept test widened by this factor (lossy; 0: no such rows)")
     p.add_argument("--draft-head-steps", type=int, default=None,
@@ -383,7 +396,8 @@ def main(argv: list[str]) -> int:
                              repeats=args.repeats, num_iter=args.num_iter, guidance_scale=args.guidance_scale,
                              cfg_schedule=args.cfg_schedule, temperature=args.temperature,
                              num_draft_steps=args.num_draft_steps, prefill_fraction=args.prefill_fraction,
-                             inner_temperature=args.inner_temperature, draft_head_steps=args.draft_head_steps,
+                             inner_temperature=args.inner_temperature, self_draft_steps=args.self_draft_steps,
+                             draft_head_steps=args.draft_head_steps,
                              seed=args.seed, threads=args.threads, judge=judge, judge_images=args.judge_images,
                              plain_iters=plain_iters, device=args.device)
         report = run(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=partial_saver(args.json))

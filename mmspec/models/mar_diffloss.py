@@ -213,20 +213,16 @@ class DiffLoss(nn.Module):
         """cond_embed of z ([z; z_uncond] under CFG): constant along a trajectory, so computed once."""
         return self.net.cond_embed(z if z_uncond is None else torch.cat([z, z_uncond]))
 
-    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None, per_row_t: bool = False):
+    def _model_out(self, x, t_orig, z, z_uncond, cfg, c_emb=None):
         """eps (guided when z_uncond is given) and variance logits v, each [N, D].
         t_orig [N] holds ONE timestep for all tokens (a sampler step; its embedding is computed
-        once from t_orig[0]) unless per_row_t. c_emb: cond_embed of z (cat of z, z_uncond under
-        CFG), computed once by the caller."""
+        once from t_orig[0]). c_emb: cond_embed of z (cat of z, z_uncond under CFG), computed once
+        by the caller."""
         D = self.in_channels
         net = self.net
         if c_emb is None:
             c_emb = self.cond_embedding(z, z_uncond)
-        if per_row_t:
-            te = net.time_embed(t_orig)
-            y = (te if z_uncond is None else torch.cat([te, te])) + c_emb
-        else:
-            y = net.time_embed(t_orig[:1]) + c_emb  # one timestep for all tokens: embed it once
+        y = net.time_embed(t_orig[:1]) + c_emb  # one timestep for all tokens: embed it once
         if z_uncond is None:
             out = net.forward_y(x, y)
             return out[:, :D], out[:, D:]
@@ -242,6 +238,22 @@ class DiffLoss(nn.Module):
         t_orig = torch.full((x.shape[0],), int(s.timestep_map[i]), dtype=torch.long, device=dev)
         eps, v = self._model_out(x, t_orig, z, z_uncond, cfg, c_emb)
         return self._mean_std(x, eps, v, lambda a: float(a[i]), temperature)
+
+    def _path_model_out(self, x, t_steps, z, z_uncond, cfg):
+        """`_model_out` for N paths of S steps flattened path-major (x [N*S, D]; t_steps [S] the
+        timestep of each column): the time embedding is computed once per step and the
+        condition embedding once per path."""
+        S = t_steps.shape[0]
+        D, net = self.in_channels, self.net
+        te = net.time_embed(t_steps)  # [S, W]
+        ce = self.cond_embedding(z, z_uncond)  # [N or 2N, W]
+        y = (ce[:, None, :] + te[None]).reshape(-1, te.shape[-1])
+        if z_uncond is None:
+            out = net.forward_y(x, y)
+            return out[:, :D], out[:, D:]
+        cond, uncond = net.forward_y(torch.cat([x, x]), y).chunk(2)
+        eps = uncond[:, :D] + cfg.repeat_interleave(S)[:, None] * (cond[:, :D] - uncond[:, :D])
+        return eps, cond[:, D:]
 
     def _mean_std(self, x, eps, v, at, temperature: float):
         """Mean and std (float64) of a step from the head's eps and variance logits; `at(a)`
@@ -267,9 +279,8 @@ class DiffLoss(nn.Module):
             raise ValueError(f"states hold {S} steps; this head samples in {s.num_steps}")
         dev = states.device
         idx = torch.arange(S - 1, -1, -1, device=dev).repeat(N)  # flat row n*S + c -> step i = S-1-c
-        rep = lambda a: None if a is None else a.repeat_interleave(S, 0)
         x = states.reshape(N * S, D)
-        eps, v = self._model_out(x, s.timestep_map.to(dev)[idx], rep(z), rep(z_uncond), rep(cfg), None, per_row_t=True)
+        eps, v = self._path_model_out(x, s.timestep_map.to(dev).flip(0), z, z_uncond, cfg)
         mean, std = self._mean_std(x, eps, v, lambda a: a.to(dev)[idx][:, None], temperature)
         out = torch.cat([states[:, 1:], sample[:, None].to(states.dtype)], 1).reshape(N * S, D).double()
         return _log_normal(out, mean, std).reshape(N, S).sum(1)
