@@ -274,12 +274,14 @@ def stage_mar(c, work, log, bar, tag) -> dict:
 def stage_eval(c, work, out_dir) -> dict:
     from mmspec.models.mar import MARModel
     from mmspec.pipelines import SpeculativeMARPipeline
+    from mmspec.testbed.bundle_paths import drop_machine_paths
 
     target = MARModel.from_pretrained(os.path.join(work, "target")).to(c.device).eval()
     drafter = MARModel.from_pretrained(os.path.join(work, "drafter")).to(c.device).eval()
     pipe = SpeculativeMARPipeline(transformer=target, vae=_load_vae(work, c.device), drafter=drafter)
     result = evaluate(pipe, c, out_dir)
     pipe.to(torch.float16).save_pretrained(out_dir)
+    drop_machine_paths(out_dir)  # the stages were loaded from `work`: no trainer's path in the bundle
     return result
 
 

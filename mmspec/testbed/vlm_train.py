@@ -525,6 +525,9 @@ def stage_eval(cfg: VLMTrainConfig, work: Path, out_dir: Path) -> dict:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     pipe.save_pretrained(out_dir)
+    from mmspec.testbed.bundle_paths import drop_machine_paths
+
+    drop_machine_paths(out_dir)  # the drafters were loaded from `work`: no trainer's path in the bundle
     return {**quality, "accepted_length": accept, "default_drafter": best}
 
 
