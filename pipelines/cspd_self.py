@@ -87,9 +87,9 @@ class _Heads:
     def cfg(self, steps):
         return self.cfg_of_step[steps] if self.guided else None
 
-    def paths(self, zc, zu, steps, init, step_noise, final):
+    def paths(self, zc, zu, steps, init, step_noise, final, alt=None):
         out = self.m.diffloss.trajectory(zc, init, step_noise, final, z_uncond=zu, cfg=self.cfg(steps),
-                                         temperature=self.temperature, record=True)
+                                         temperature=self.temperature, record=True, alt=alt)
         if not bool(torch.isfinite(out.sample).all() & torch.isfinite(out.log_density).all()):  # SYNC: per head call
             raise ValueError("the MAR target produced non-finite tokens (NaN or inf); check its weights and dtype "
                              "(the images would be silently wrong)")
@@ -186,16 +186,17 @@ def sample_mar_self(
         init = torch.cat([noise.init[d_row, d_pos], draw(torch.randn, nc, D, dtype=dtype, **gen_kw)])
         s_noise = torch.cat([noise.steps[d_row, d_pos], draw(torch.randn, nc, S - 1, D, dtype=dtype, **gen_kw)])
         final = torch.cat([noise.final[d_row, d_pos], draw(torch.randn, nc, D, dtype=dtype, **gen_kw)])
-        out = heads.paths(zc_in, zu_in, steps_in, init, s_noise, final)
+        # the proposals' density under the draft's (stale) z rides along as extra rows of the same head calls
+        alt = None if not n_p else (torch.arange(n_d, n_d + nc, device=dev), pend_qc[c_row, c_pos],
+                                    None if zu is None else pend_qu[c_row, c_pos])
+        out = heads.paths(zc_in, zu_in, steps_in, init, s_noise, final, alt)
         stats.spec.draft_calls += 1
         stats.spec.draft_seconds += time.perf_counter() - t
         t = time.perf_counter()
         if n_p:  # settle the residuals: keep a target path with probability max(0, 1 - q/p)
-            cs, cst = out.sample[n_d:], out.states[n_d:]
-            log_q = heads.log_density(cst, cs, pend_qc[c_row, c_pos], None if zu is None else pend_qu[c_row, c_pos],
-                                      pos_step[c_row, c_pos])
+            cs = out.sample[n_d:]
             u = draw(torch.rand, nc, dtype=torch.float64, **gen_kw)
-            ok = keep_proposal(u, log_q, out.log_density[n_d:]).view(n_p, T)
+            ok = keep_proposal(u, out.alt_log_density, out.log_density[n_d:]).view(n_p, T)
             first = ok.int().argmax(1)
             got = ok.any(1)
             p_tries = tries[p_row, p_pos] + T

@@ -37,6 +37,11 @@ def test_path_density_of_a_sampled_path_matches_its_batched_evaluation():
     assert torch.allclose(along, out.log_density, atol=1e-9, rtol=0)
     other = head.log_density_along(out.states, out.sample, z + 0.3, zu, cfg, 0.8)  # another conditioning
     assert (other - out.log_density).abs().min() > 1e-3
+    # the density under another conditioning, taken in the same head calls (extra rows)
+    rows = torch.tensor([1, 4])
+    both = head.trajectory(z, *noise, z_uncond=zu, cfg=cfg, temperature=0.8, alt=(rows, z[rows] + 0.3, zu[rows]))
+    assert torch.allclose(both.sample, out.sample, atol=1e-12, rtol=0)
+    assert torch.allclose(both.alt_log_density, other[rows], atol=1e-9, rtol=1e-12)
     with pytest.raises(ValueError, match="final_noise"):
         head.trajectory(z, noise[0], noise[1], None, z_uncond=zu, cfg=cfg, record=True)
 

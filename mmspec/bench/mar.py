@@ -301,7 +301,8 @@ def format_table(report: dict) -> str:
     lines = [f"MAR, plain vs CSpD: target {m['target_parameters'] / 1e6:.2f}M params, drafter "
              f"{m['drafter_parameters'] / 1e6:.2f}M, {m['image_tokens']} tokens x {m['token_dim']} dims/image, "
              f"{c['num_iter']} steps, guidance {c['guidance_scale']} ({c['cfg_schedule']}), temperature {c['temperature']}, "
-             f"{c['num_draft_steps']} draft steps/round, head steps {m['head_steps']} (drafter "
+             f"{c['num_draft_steps']} draft steps/round (cspd-self: {c.get('self_draft_steps', '-')}), head steps "
+             f"{m['head_steps']} (drafter "
              f"{m.get('drafter_head_steps', m['head_steps'])}), threads {m['torch_threads']}, device {m.get('device', 'cpu')}"]
     for e in report["batches"]:
         lines.append(f"\nbatch {e['batch_size']} ({c['num_images']} images per run, median of {c['repeats']} runs)")

@@ -179,6 +179,7 @@ class HeadTrajectory:
     # and the log density [N] float64 of the whole path under this head (see log_density_along).
     states: torch.Tensor | None = None
     log_density: torch.Tensor | None = None
+    alt_log_density: torch.Tensor | None = None  # with alt=...: the paths' density under the other conditioning
 
 
 def _log_normal(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -296,31 +297,52 @@ class DiffLoss(nn.Module):
         cfg: torch.Tensor | None = None,  # [N] guidance scale per token
         temperature: float = 1.0,
         record: bool = False,
+        alt: tuple | None = None,
     ) -> HeadTrajectory:
         """Denoise N tokens along the given noises; deterministic given them. record=True also
-        returns every step's input and the path's log density under this head."""
+        returns every step's input and the path's log density under this head; with
+        alt=(rows [M] long, z_alt [M, Z], z_uncond_alt [M, Z] or None) also the log density
+        (`alt_log_density` [M]) of the paths of `rows` under the conditioning z_alt, evaluated
+        in the same head calls as the sampling (extra rows, not extra calls)."""
         S = self.gen.num_steps
         if step_noise.shape[1] < S - 1:
             raise ValueError(f"step_noise has {step_noise.shape[1]} steps; this head samples in {S} and needs {S - 1}")
-        if record and final_noise is None:
+        if (record or alt is not None) and final_noise is None:
             raise ValueError("record=True needs final_noise: a path without a last Gaussian step has no density")
         x = init_noise.to(z.dtype)
+        if not record and alt is None:
+            c_emb = self.cond_embedding(z, z_uncond)
+            for col, i in enumerate(range(S - 1, 0, -1)):
+                mean, std = self.gaussian_step(x, i, z, z_uncond, cfg, temperature, c_emb)
+                x = (mean + std * step_noise[:, col].double()).to(z.dtype)
+            mean, std = self.gaussian_step(x, 0, z, z_uncond, cfg, temperature, c_emb)
+            sample = mean if final_noise is None else mean + std * final_noise.double()
+            return HeadTrajectory(sample=sample.to(z.dtype), mean=mean, std=std)
+        N = z.shape[0]
+        rows = None
+        if alt is not None:  # the alternative conditioning rides as extra rows of every head call
+            rows, za, zua = alt
+            z = torch.cat([z, za])
+            z_uncond = None if z_uncond is None else torch.cat([z_uncond, zua])
+            cfg = None if cfg is None else torch.cat([cfg, cfg[rows]])
         c_emb = self.cond_embedding(z, z_uncond)
-        states, log_density = [], 0.0
-        for col, i in enumerate(range(S - 1, 0, -1)):
-            mean, std = self.gaussian_step(x, i, z, z_uncond, cfg, temperature, c_emb)
+        states, means, stds = [], [], []
+        for col, i in enumerate(range(S, 0, -1)):
             states.append(x)
-            x = (mean + std * step_noise[:, col].double()).to(z.dtype)
-            if record:  # the density of the value the next step reads (cast to z's dtype)
-                log_density = log_density + _log_normal(x.double(), mean, std)
-        mean, std = self.gaussian_step(x, 0, z, z_uncond, cfg, temperature, c_emb)
-        sample = mean if final_noise is None else mean + std * final_noise.double()
-        sample = sample.to(z.dtype)
-        if not record:
-            return HeadTrajectory(sample=sample, mean=mean, std=std)
-        states.append(x)
-        log_density = log_density + _log_normal(sample.double(), mean, std)
-        return HeadTrajectory(sample=sample, mean=mean, std=std, states=torch.stack(states, 1), log_density=log_density)
+            xx = x if rows is None else torch.cat([x, x[rows]])
+            mean, std = self.gaussian_step(xx, i - 1, z, z_uncond, cfg, temperature, c_emb)
+            means.append(mean)
+            stds.append(std)
+            noise = step_noise[:, col] if i > 1 else final_noise
+            x = (mean[:N] + std[:N] * noise.double()).to(z.dtype)  # the value the next step reads
+        sample = x
+        # densities of every step's output (cast to z's dtype, as read) in one pass at the end
+        out = torch.stack(states[1:] + [sample], 1).double()  # [N, S, D]
+        mean, std = torch.stack(means, 1), torch.stack(stds, 1)  # [N (+ M), S, D]
+        log_density = _log_normal(out, mean[:N], std[:N]).sum(1)
+        alt_log_density = None if rows is None else _log_normal(out[rows], mean[N:], std[N:]).sum(1)
+        return HeadTrajectory(sample=sample, mean=means[-1][:N], std=stds[-1][:N], states=torch.stack(states, 1),
+                              log_density=log_density, alt_log_density=alt_log_density)
 
     # -- training ------------------------------------------------------------------------
 
