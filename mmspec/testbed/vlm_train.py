@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.devices import check_device
+from mmspec.testbed.bundle_paths import drop_machine_paths
 from mmspec.testbed.vlm_data import stage_data
 from mmspec.testbed.vlm_pack import draw_example, packed_batch, sample_packs
 from mmspec.testbed.vlm_tower import stage_tower
@@ -525,8 +526,6 @@ def stage_eval(cfg: VLMTrainConfig, work: Path, out_dir: Path) -> dict:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     pipe.save_pretrained(out_dir)
-    from mmspec.testbed.bundle_paths import drop_machine_paths
-
     drop_machine_paths(out_dir)  # the drafters were loaded from `work`: no trainer's path in the bundle
     return {**quality, "accepted_length": accept, "default_drafter": best}
 
