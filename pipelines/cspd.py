@@ -87,6 +87,7 @@ class MARStats:
     bonus_steps: int = 0
     rounds: int = 0
     residual_tries: int = 0  # residual proposals drawn (self-drafted sampling: whole target trajectories)
+    draft_steps: int = 0  # generation steps drafted a round (0: plain sampling)
 
     @property
     def acceptance_rate(self) -> float:
@@ -231,7 +232,7 @@ def sample_mar(
     drf = None if drafter is None else _Predictor(drafter, labels, guidance_scale, cfg_of_step, noise, float(temperature), True,
                                                   name="drafter")
 
-    stats = MARStats(images=B)
+    stats = MARStats(images=B, draft_steps=0 if drafter is None else num_draft_steps)
     tokens = torch.zeros(B, L, D, dtype=dtype, device=dev)
     step = torch.zeros(B, dtype=torch.long, device=dev)
     all_rows = torch.arange(B, device=dev)

@@ -145,7 +145,7 @@ def sample_mar_self(
     dev, dtype = target.device, target.dtype
     noise, pos_step = run.noise, run.pos_step
     heads = _Heads(target, run.labels, guidance_scale, run.cfg_of_step, float(temperature))
-    stats = MARStats(images=B)
+    stats = MARStats(images=B, draft_steps=K)
     rows_all = torch.arange(B, device=dev)
     tokens = torch.zeros(B, L, D, dtype=dtype, device=dev)
     step = torch.zeros(B, dtype=torch.long, device=dev)  # steps whose tokens are committed or pending

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,13 @@ from diffusers import AutoencoderKL, DiffusionPipeline
 from diffusers.utils import BaseOutput, is_accelerate_available
 
 from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
+from mmspec.adaptive_window import WindowBandit
 from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, sample_mar
 from mmspec.pipelines.cspd_self import sample_mar_self
+
+# num_draft_steps="auto" with draft="self": the arms are K = 0 (plain sampling) .. this many
+SELF_DRAFT_K_MAX = 4
 
 
 @dataclass
@@ -75,7 +80,7 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         acceptance="continuous",
         speculative: bool = True,
         draft: str = "model",
-        num_draft_steps: int | None = None,
+        num_draft_steps: int | str | None = None,
         prefill_fraction: float | None = None,
         generator: torch.Generator | None = None,
         output_type: str = "pil",
@@ -85,7 +90,9 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         tuple when return_dict=False). `draft`: "model" (CSpD with the registered drafter MAR,
         `num_draft_steps` default 4, `prefill_fraction` default 0.15) or "self" (the target drafts from its own earlier
         conditioning and drafts are verified along their whole denoising path; no drafter needed;
-        default 3 steps a round; `pipelines/cspd_self.py`)."""
+        default 3 steps a round, or "auto": per request, K = 0 (plain sampling) to 4 chosen by
+        measured speed at each batch size, learned across the pipeline's calls;
+        `stats.draft_steps` says which; `pipelines/cspd_self.py`)."""
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")
         if not isinstance(return_dict, bool):  # diffusers reads any truthy value as True
@@ -115,6 +122,9 @@ class SpeculativeMARPipeline(DiffusionPipeline):
                              f"conditioning), got {draft!r}")
         if num_draft_steps is None:
             num_draft_steps = 3 if draft == "self" else 4
+        if num_draft_steps == "auto" and draft != "self":
+            raise ValueError("num_draft_steps='auto' is for draft='self' (chosen per request by measured speed); "
+                             "give draft='model' an int")
         if draft == "self" and prefill_fraction is not None:
             raise ValueError("prefill_fraction is for draft='model' (the target's first steps before a drafter MAR "
                              "takes over); draft='self' has none: each round starts from the target's own conditioning")
@@ -142,10 +152,23 @@ class SpeculativeMARPipeline(DiffusionPipeline):
             done[0] = steps_done
 
         if self_draft:
-            tokens, stats = sample_mar_self(
-                self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
-                temperature=temperature, num_draft_steps=num_draft_steps, generator=generator, callback=callback, **tries,
-            )
+            k, bandit = num_draft_steps, None
+            if k == "auto":  # a per-request choice among K = 0 (plain) .. SELF_DRAFT_K_MAX by measured speed
+                bandit = self.__dict__.get("_self_draft_bandit")
+                if bandit is None:
+                    bandit = WindowBandit(SELF_DRAFT_K_MAX, arms=list(range(SELF_DRAFT_K_MAX + 1)))
+                    object.__setattr__(self, "_self_draft_bandit", bandit)
+                bandit.begin_request()  # records the previous request's rate
+                k = bandit.choose(len(labels))
+            t0 = time.perf_counter()
+            kw = dict(num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
+                      temperature=temperature, generator=generator, callback=callback)
+            if k == 0:  # plain sampling through the same code
+                tokens, stats = sample_mar(self.transformer, labels, **kw)
+            else:
+                tokens, stats = sample_mar_self(self.transformer, labels, num_draft_steps=k, **kw, **tries)
+            if bandit is not None:  # tokens per second of the whole request (every row emits all its tokens)
+                bandit.observe(len(labels), k, [tokens.shape[1] - 1] * len(labels), 0.0, time.perf_counter() - t0)
         else:
             tokens, stats = sample_mar(
                 self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,

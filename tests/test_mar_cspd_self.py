@@ -157,3 +157,23 @@ def test_pipeline_draft_self(tmp_path):
         pipe([0], draft="model", **kw)
     with pytest.raises(ValueError, match="acceptance"):
         pipe([0], draft="self", acceptance="continuous-relaxed", **kw)
+
+
+def test_pipeline_auto_draft_steps_choose_per_request_by_measured_speed():
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    pipe = SpeculativeMARPipeline(transformer=tiny_mar(), vae=tiny_vae())
+    kw = dict(num_iter=6, guidance_scale=2.0, output_type="latent")
+    outs = [pipe([0, 3], generator=torch.Generator().manual_seed(i), draft="self", num_draft_steps="auto", **kw)
+            for i in range(9)]
+    ks = [o.stats.draft_steps for o in outs]
+    bandit = pipe._self_draft_bandit
+    assert ks == [arm for _, arm in bandit.requests]  # the stats report what ran
+    assert ks[:6] == [4, 4, 3, 2, 1, 0]  # the batch size's cold first request is not counted; then every arm once
+    assert set(bandit.batches[2].raw) == {0, 1, 2, 3, 4}  # each one's measured rate, at batch 2
+    # K = 0 is plain sampling through the same code: plain sampling's image for the seed
+    plain = pipe([0, 3], generator=torch.Generator().manual_seed(5), speculative=False, **kw)
+    assert torch.equal(outs[5].images, plain.images)
+    assert outs[4].stats.draft_steps == 1 and outs[4].stats.drafted_tokens > 0
+    with pytest.raises(ValueError, match="num_draft_steps='auto' is for draft='self'"):
+        pipe([0], num_draft_steps="auto", **kw)
