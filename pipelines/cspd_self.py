@@ -183,9 +183,11 @@ def sample_mar_self(
         zu_in = None if zu is None else torch.cat([zu[d_row, d_pos], pend_zu[c_row, c_pos]])
         steps_in = torch.cat([pos_step[d_row, d_pos], pos_step[c_row, c_pos]])
         nc = n_p * T
-        init = torch.cat([noise.init[d_row, d_pos], draw(torch.randn, nc, D, dtype=dtype, **gen_kw)])
-        s_noise = torch.cat([noise.steps[d_row, d_pos], draw(torch.randn, nc, S - 1, D, dtype=dtype, **gen_kw)])
-        final = torch.cat([noise.final[d_row, d_pos], draw(torch.randn, nc, D, dtype=dtype, **gen_kw)])
+        init, s_noise, final = noise.init[d_row, d_pos], noise.steps[d_row, d_pos], noise.final[d_row, d_pos]
+        if nc:  # fresh noise for the residual proposals
+            init = torch.cat([init, draw(torch.randn, nc, D, dtype=dtype, **gen_kw)])
+            s_noise = torch.cat([s_noise, draw(torch.randn, nc, S - 1, D, dtype=dtype, **gen_kw)])
+            final = torch.cat([final, draw(torch.randn, nc, D, dtype=dtype, **gen_kw)])
         # the proposals' density under the draft's (stale) z rides along as extra rows of the same head calls
         alt = None if not n_p else (torch.arange(n_d, n_d + nc, device=dev), pend_qc[c_row, c_pos],
                                     None if zu is None else pend_qu[c_row, c_pos])

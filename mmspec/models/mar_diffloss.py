@@ -219,16 +219,19 @@ class DiffLoss(nn.Module):
         t_orig [N] holds ONE timestep for all tokens (a sampler step; its embedding is computed
         once from t_orig[0]). c_emb: cond_embed of z (cat of z, z_uncond under CFG), computed once
         by the caller."""
-        D = self.in_channels
-        net = self.net
         if c_emb is None:
             c_emb = self.cond_embedding(z, z_uncond)
-        y = net.time_embed(t_orig[:1]) + c_emb  # one timestep for all tokens: embed it once
-        if z_uncond is None:
+        y = self.net.time_embed(t_orig[:1]) + c_emb  # one timestep for all tokens: embed it once
+        return self._net_out(x, y, None if z_uncond is None else cfg)
+
+    def _net_out(self, x, y, cfg):
+        """eps and variance logits [N, D] from the net given y = time + condition embeddings ([N],
+        or [2N] = [cond; uncond] under CFG, when cfg [N] is given)."""
+        D, net = self.in_channels, self.net
+        if cfg is None:
             out = net.forward_y(x, y)
             return out[:, :D], out[:, D:]
-        out = net.forward_y(torch.cat([x, x]), y)
-        cond, uncond = out.chunk(2)
+        cond, uncond = net.forward_y(torch.cat([x, x]), y).chunk(2)
         eps = uncond[:, :D] + cfg[:, None] * (cond[:, :D] - uncond[:, :D])
         return eps, cond[:, D:]  # the official forward_with_cfg keeps each half's own variance; the cond half is returned
 
@@ -245,16 +248,10 @@ class DiffLoss(nn.Module):
         timestep of each column): the time embedding is computed once per step and the
         condition embedding once per path."""
         S = t_steps.shape[0]
-        D, net = self.in_channels, self.net
-        te = net.time_embed(t_steps)  # [S, W]
+        te = self.net.time_embed(t_steps)  # [S, W]
         ce = self.cond_embedding(z, z_uncond)  # [N or 2N, W]
         y = (ce[:, None, :] + te[None]).reshape(-1, te.shape[-1])
-        if z_uncond is None:
-            out = net.forward_y(x, y)
-            return out[:, :D], out[:, D:]
-        cond, uncond = net.forward_y(torch.cat([x, x]), y).chunk(2)
-        eps = uncond[:, :D] + cfg.repeat_interleave(S)[:, None] * (cond[:, :D] - uncond[:, :D])
-        return eps, cond[:, D:]
+        return self._net_out(x, y, None if z_uncond is None else cfg.repeat_interleave(S))
 
     def _mean_std(self, x, eps, v, at, temperature: float):
         """Mean and std (float64) of a step from the head's eps and variance logits; `at(a)`
@@ -308,7 +305,7 @@ class DiffLoss(nn.Module):
         if step_noise.shape[1] < S - 1:
             raise ValueError(f"step_noise has {step_noise.shape[1]} steps; this head samples in {S} and needs {S - 1}")
         if (record or alt is not None) and final_noise is None:
-            raise ValueError("record=True needs final_noise: a path without a last Gaussian step has no density")
+            raise ValueError("record=True and alt= need final_noise: a path without a last Gaussian step has no density")
         x = init_noise.to(z.dtype)
         if not record and alt is None:
             c_emb = self.cond_embedding(z, z_uncond)
@@ -337,11 +334,12 @@ class DiffLoss(nn.Module):
             x = (mean[:N] + std[:N] * noise.double()).to(z.dtype)  # the value the next step reads
         sample = x
         # densities of every step's output (cast to z's dtype, as read) in one pass at the end
-        out = torch.stack(states[1:] + [sample], 1).double()  # [N, S, D]
+        states = torch.stack(states, 1)  # [N, S, D]: each step's input
+        out = torch.cat([states[:, 1:], sample[:, None]], 1).double()  # each step's output
         mean, std = torch.stack(means, 1), torch.stack(stds, 1)  # [N (+ M), S, D]
         log_density = _log_normal(out, mean[:N], std[:N]).sum(1)
         alt_log_density = None if rows is None else _log_normal(out[rows], mean[N:], std[N:]).sum(1)
-        return HeadTrajectory(sample=sample, mean=means[-1][:N], std=stds[-1][:N], states=torch.stack(states, 1),
+        return HeadTrajectory(sample=sample, mean=means[-1][:N], std=stds[-1][:N], states=states,
                               log_density=log_density, alt_log_density=alt_log_density)
 
     # -- training ------------------------------------------------------------------------
