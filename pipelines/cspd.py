@@ -128,14 +128,16 @@ class _Predictor:
         m = self.model
         Q = tokens.shape[0]
         emb = m.class_embedding(self.labels[seq_rows], Q)
+        need = torch.zeros_like(known, dtype=torch.bool)
+        need[seq, pos] = True  # the last decoder block runs at these positions only
         if self.guided:
             z = m.forward_z(torch.cat([tokens, tokens]), torch.cat([known, known]),
-                            torch.cat([emb, m.class_embedding(None, Q)]))
+                            torch.cat([emb, m.class_embedding(None, Q)]), need=torch.cat([need, need]))
             z_c, z_u = z.chunk(2)
             zu = z_u[seq, pos]
             cfg = self.cfg_of_step.to(z.device)[step_of_token].to(z.dtype)
         else:
-            z_c, zu, cfg = m.forward_z(tokens, known, emb), None, None
+            z_c, zu, cfg = m.forward_z(tokens, known, emb, need=need), None, None
         rows = seq_rows[seq]
         n = self.noise
         out = m.diffloss.trajectory(z_c[seq, pos], n.init[rows, pos], n.steps[rows, pos],

@@ -74,14 +74,15 @@ class _Heads:
         self.dtype = model.dtype  # (a diffusers model's dtype walks its modules: read it once)
         self.cfg_of_step, self.temperature = cfg_of_step.to(model.device, self.dtype), temperature
 
-    def forward(self, tokens, known, seq_rows):
-        """z (and unconditional z under CFG) [Q, L, Z] for Q sequences of rows seq_rows."""
+    def forward(self, tokens, known, seq_rows, need):
+        """z (and unconditional z under CFG) [Q, L, Z] for Q sequences of rows seq_rows, at the
+        positions `need` [Q, L] (NaN elsewhere: `MARModel.forward_z`)."""
         m, Q = self.m, tokens.shape[0]
         emb = m.class_embedding(self.labels[seq_rows], Q)
         if not self.guided:
-            return m.forward_z(tokens, known, emb), None
+            return m.forward_z(tokens, known, emb, need=need), None
         z = m.forward_z(torch.cat([tokens, tokens]), torch.cat([known, known]),
-                        torch.cat([emb, m.class_embedding(None, Q)]))
+                        torch.cat([emb, m.class_embedding(None, Q)]), need=torch.cat([need, need]))
         return z.chunk(2)
 
     def cfg(self, steps):
@@ -154,7 +155,12 @@ def sample_mar_self(
     # z of every position from the last forward whose known tokens are all committed; `fresh`:
     # that forward knew every committed token, so z of step `step` is the target's own.
     t = time.perf_counter()
-    zc, zu = heads.forward(tokens, torch.zeros(B, L, dtype=torch.bool, device=dev), rows_all)
+    # a prefix whose own step is s serves the tests of step s and the drafts of the next round,
+    # steps s .. s + K: its z is computed at those positions only
+    def upcoming(rows, s):
+        return (pos_step[rows] >= s[:, None]) & (pos_step[rows] <= s[:, None] + K)
+
+    zc, zu = heads.forward(tokens, torch.zeros(B, L, dtype=torch.bool, device=dev), rows_all, upcoming(rows_all, step))
     stats.spec.target_calls += 1
     stats.spec.verify_seconds += time.perf_counter() - t
     fresh = torch.ones(B, dtype=torch.bool, device=dev)
@@ -225,7 +231,8 @@ def sample_mar_self(
             seq_rows = torch.repeat_interleave(rows_all, n_pref)
             seq_j = torch.arange(seq_rows.numel(), device=dev) - first_seq[seq_rows] + j0[seq_rows]
             seq_step = step[seq_rows] + seq_j
-            zc_q, zu_q = heads.forward(draft_tok[seq_rows], pos_step[seq_rows] < seq_step[:, None], seq_rows)
+            zc_q, zu_q = heads.forward(draft_tok[seq_rows], pos_step[seq_rows] < seq_step[:, None], seq_rows,
+                                       upcoming(seq_rows, seq_step))
             stats.spec.target_calls += 1
         # -- c. score the drafted paths under their fresh z --------------------------------
         d_j = pos_step[d_row, d_pos] - step[d_row]  # drafted step index within the round

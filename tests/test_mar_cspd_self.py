@@ -50,7 +50,7 @@ def _frozen(m):
     """The same model whose conditioning ignores the known tokens: stale z equals fresh z."""
     m = copy.deepcopy(m)
     base = m.forward_z
-    m.forward_z = lambda tok, known, emb: base(torch.zeros_like(tok), torch.zeros_like(known), emb)
+    m.forward_z = lambda tok, known, emb, need=None: base(torch.zeros_like(tok), torch.zeros_like(known), emb, need=need)
     return m
 
 
@@ -78,7 +78,7 @@ def _ks_model():
     m.diffloss = GaussianHead(m.diffloss, W)
     v = torch.randn(32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     base, v = m.forward_z, v / v.norm()
-    m.forward_z = lambda tok, known, emb: (base(torch.zeros_like(tok), torch.zeros_like(known), emb)
+    m.forward_z = lambda tok, known, emb, need=None: (base(torch.zeros_like(tok), torch.zeros_like(known), emb, need=need)
                                            + 3.0 * known.double().mean(1)[:, None, None] * v)
     return m
 

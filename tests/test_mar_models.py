@@ -241,6 +241,24 @@ def test_forward_matches_reference_including_ragged_rows():
     assert torch.allclose(m.forward_z(tokens, mask * 0 + 1 == 0, m.class_embedding(None, B)), unc, atol=1e-10)
 
 
+
+def test_forward_at_wanted_positions_equals_the_full_forward_and_is_nan_elsewhere():
+    sd = random_official_sd(TINY)
+    m = MARModel.from_official({"model_ema": sd}, **TINY).double()
+    g = torch.Generator().manual_seed(3)
+    B, L, D = 3, m.seq_len, m.token_embed_dim
+    tokens = torch.randn(B, L, D, generator=g, dtype=torch.float64)
+    known = torch.rand(B, L, generator=g) < torch.tensor([[0.0], [0.5], [0.9]])  # ragged rows
+    emb = m.class_embedding(torch.tensor([0, 4, 6]), B)
+    full = m.forward_z(tokens, known, emb)
+    need = torch.zeros(B, L, dtype=torch.bool)
+    need[0, [1, 5, 7]] = True  # rows want different numbers of positions, one row none
+    need[1, 2] = True
+    got = m.forward_z(tokens, known, emb, need=need)
+    assert torch.allclose(got[need], full[need], atol=1e-12, rtol=0)
+    assert got[~need].isnan().all()
+    assert m.forward_z(tokens, known, emb, need=torch.zeros(B, L, dtype=torch.bool)).isnan().all()
+
 def test_head_matches_official_sampler_with_and_without_cfg():
     sd = random_official_sd(TINY)
     m = MARModel.from_official({"model_ema": sd}, **TINY).double()

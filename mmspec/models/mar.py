@@ -86,6 +86,21 @@ class Block(nn.Module):
         x = x + self.attn(self.norm1(x), key_mask)
         return x + self.mlp(self.norm2(x))
 
+    def forward_at(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The block's output at the positions idx [B, M] only (every position still serves as
+        key and value): [B, M, C], equal to `forward(x).gather(1, idx)` with the query-side
+        projections, the attention rows and the MLP computed for M positions instead of N."""
+        B, N, C = x.shape
+        a, H = self.attn, self.attn.heads
+        h = self.norm1(x)
+        kv = F.linear(h, a.qkv.weight[C:], a.qkv.bias[C:]).reshape(B, N, 2, H, C // H).permute(2, 0, 3, 1, 4)
+        x_q = x.gather(1, idx[..., None].expand(-1, -1, C))
+        q = F.linear(h.gather(1, idx[..., None].expand(-1, -1, C)), a.qkv.weight[:C], a.qkv.bias[:C])
+        q = q.reshape(B, -1, H, C // H).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1])
+        x_q = x_q + a.proj(o.transpose(1, 2).reshape(B, -1, C))
+        return x_q + self.mlp(self.norm2(x_q))
+
 
 def mar_schedule(seq_len: int, num_iter: int) -> tuple[list[int], list[int]]:
     """Cosine masking schedule of the official sampler.
@@ -191,10 +206,14 @@ class MARModel(ModelMixin, ConfigMixin):
 
     # -- forward -------------------------------------------------------------------------
 
-    def forward_z(self, tokens: torch.Tensor, known: torch.Tensor, class_embedding: torch.Tensor) -> torch.Tensor:
+    def forward_z(self, tokens: torch.Tensor, known: torch.Tensor, class_embedding: torch.Tensor,
+                  need: torch.Tensor | None = None) -> torch.Tensor:
         """Conditioning of the diffusion head for every position.
         tokens [B, L, D]; known [B, L] bool (True = given to the encoder); class_embedding
-        [B, E] -> z [B, L, Dd]. Rows may know different numbers of tokens."""
+        [B, E] -> z [B, L, Dd]. Rows may know different numbers of tokens.
+        `need` [B, L] bool: only these positions' z are wanted; the last decoder block then runs
+        its queries, attention rows and MLP at those positions only (samplers need a few of the
+        L per step) and z is NaN everywhere else, so that a stray use cannot pass unnoticed."""
         B, L, _ = tokens.shape
         buf = self.config.buffer_size
         x = self.z_proj(tokens)
@@ -215,10 +234,23 @@ class MARModel(ModelMixin, ConfigMixin):
         dest = torch.where(valid, idx, torch.full_like(idx, buf + L))
         full.scatter_(1, dest[..., None].expand(-1, -1, h.shape[-1]), h)
         y = full[:, : buf + L] + self.decoder_pos_embed_learned
-        for block in self.decoder_blocks:
+        if need is None or not len(self.decoder_blocks):
+            for block in self.decoder_blocks:
+                y = block(y)
+            y = self.decoder_norm(y)[:, buf:] + self.diffusion_pos_embed_learned
+            return y if need is None else y.masked_fill(~need.bool()[..., None], float("nan"))
+        need = need.bool()
+        n_need = need.sum(1)
+        M = max(1, int(n_need.max()))  # SYNC: padded count of wanted positions
+        q_idx = torch.argsort((~need).to(torch.int8), dim=1, stable=True)[:, :M]  # wanted first
+        for block in self.decoder_blocks[:-1]:
             y = block(y)
-        y = self.decoder_norm(y)[:, buf:]
-        return y + self.diffusion_pos_embed_learned
+        y = self.decoder_norm(self.decoder_blocks[-1].forward_at(y, q_idx + buf))
+        y = y + self.diffusion_pos_embed_learned[0][q_idx]
+        out = torch.full((B, L + 1, y.shape[-1]), float("nan"), dtype=y.dtype, device=y.device)
+        dest = torch.where(torch.arange(M, device=y.device)[None] < n_need[:, None], q_idx, torch.full_like(q_idx, L))
+        out.scatter_(1, dest[..., None].expand(-1, -1, y.shape[-1]), y)
+        return out[:, :L]
 
     def forward(self, latents: torch.Tensor, class_labels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Training loss (scalar) on VAE latents [B, C, H, W] (already scaled), as the official
