@@ -34,7 +34,8 @@ A round, per row (rows keep their own step; batched throughout):
      target sample, not a draft) and, in the same call, residual proposals for the tokens the
      previous round rejected (from their fresh z); the residuals are settled first.
   b. one target forward evaluates one prefix per drafted step (committed tokens plus the drafts
-     before it) and gives each drafted step its fresh z.
+     before it) and gives each drafted step its fresh z (each prefix's z only where it is read:
+     its own step and the K + 1 steps a next round may draft from it, `forward_z(need=...)`).
   c. the drafted paths are scored under the fresh z; a row keeps its drafted steps up to the
      first step with a rejection; in that step accepted tokens stay and rejected ones await
      their residual (step a of the next round). The row's z for the next round comes from the
