@@ -208,6 +208,7 @@ def test_demo_mar_section(folder, tmp_path):
     assert "\n" not in text and "MAR section skipped" in text and "mmspec testbed train-mar" in text
     assert not (tmp_path / "demo").exists()
     text = demo_section(str(tmp_path / "demo"), model=folder, threads=1)
-    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 4 * 32)  # plain, cspd, cspd-self, relaxed
+    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 3 * 32)  # plain, cspd, cspd-self
     report = json.loads((tmp_path / "demo" / "mar_demo.json").read_text())
     assert [b["batch_size"] for b in report["batches"]] == [1, 4] and "speed-up" in text
+    assert report["config"]["num_iter"] == 16  # one token a step (4 x 4 tokens), not the folder's default

@@ -415,17 +415,20 @@ def demo_section(out_dir: str, model=BUNDLED_MAR, threads: int | None = 2, progr
     """The MAR section of `mmspec demo`: one timed round of plain vs CSpD sampling at batch 1 and
     4 (4 images per method: the section is the demo's longest; `mmspec bench mar` times batch 8
     and more images) on the same labels and seeds, and a PNG with one row per method (plain,
-    exact CSpD, relaxed CSpD; same seeds) in `out_dir`. Returns the text to print: a one-line skip notice when no MAR pair is bundled
+    exact CSpD with the drafter MAR, self-drafted CSpD; same seeds) in `out_dir`. It samples one
+    token a step (as many steps as tokens, at most MAR's 64), where self-drafting pays; the
+    folder's own default (fewer, coarser steps) is `mmspec bench mar`'s. Returns the text to print: a one-line skip notice when no MAR pair is bundled
     (checked before any model is loaded, so an absent pair costs nothing)."""
     if not is_mar_folder(model):
         return (f"(MAR section skipped: no bundled MAR pair at {model}; make one with "
                 "`mmspec testbed train-mar --out DIR`, then run `mmspec bench mar --model DIR`)")
     from PIL import Image
 
-    cfg = MARBenchConfig(model=str(model), batch_sizes=(1, 4), num_images=4, repeats=1, threads=threads,
-                         plain_iters=())  # the demo keeps to plain vs CSpD (bench mar adds the fewer-steps rows)
-    report = run(cfg, progress)
     pipe = load_mar(model)
+    # the demo keeps to the exact methods (bench mar adds the lossy relaxed rule and the fewer-steps rows)
+    cfg = MARBenchConfig(model=str(model), batch_sizes=(1, 4), num_images=4, repeats=1, threads=threads,
+                         num_iter=min(64, pipe.transformer.seq_len), inner_temperature=0, plain_iters=())
+    report = run(cfg, progress)
     call = _call(cfg, mar_defaults(model, pipe))
     labels = [i % pipe.transformer.config.class_num for i in range(8)]
     rows = [pipe(labels, **method_call(cfg, call, m), generator=torch.Generator().manual_seed(cfg.seed)).images
