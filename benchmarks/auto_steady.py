@@ -36,9 +36,10 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=2, help="calls left out of the totals (the controller's warm-up)")
     p.add_argument("--fixed-k", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     pc, target, drafter = named_pair(a.pair)
     wrapped = HFTarget(target)  # built once: the kernel choice and the wrap are paid once
     auto = ModelDrafter(drafter, "auto", max_draft_tokens=8)
