@@ -114,6 +114,19 @@ def _cfg_scales(lens: list[int], seq_len: int, guidance_scale: float, cfg_schedu
     raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {cfg_schedule!r}")
 
 
+def guided_z(model, tokens, known, labels, need, guided: bool):
+    """z and, under classifier-free guidance, the unconditional z ([Q, L, Z] each, NaN outside
+    `need`: `MARModel.forward_z`) of Q sequences with class labels `labels` [Q]; both halves in
+    one forward. -> (z, z_uncond or None)."""
+    Q = tokens.shape[0]
+    emb = model.class_embedding(labels, Q)
+    if not guided:
+        return model.forward_z(tokens, known, emb, need=need), None
+    z = model.forward_z(torch.cat([tokens, tokens]), torch.cat([known, known]),
+                        torch.cat([emb, model.class_embedding(None, Q)]), need=torch.cat([need, need]))
+    return z.chunk(2)
+
+
 class _Predictor:
     """One model's forward + diffusion-head trajectories for flat (sequence, position) tokens."""
 
@@ -126,18 +139,11 @@ class _Predictor:
         """tokens [Q, L, D], known [Q, L] for Q sequences belonging to rows seq_rows [Q];
         flat tokens (seq [N], pos [N]) at generation steps step_of_token [N]."""
         m = self.model
-        Q = tokens.shape[0]
-        emb = m.class_embedding(self.labels[seq_rows], Q)
         need = torch.zeros_like(known, dtype=torch.bool)
         need[seq, pos] = True  # the last decoder block runs at these positions only
-        if self.guided:
-            z = m.forward_z(torch.cat([tokens, tokens]), torch.cat([known, known]),
-                            torch.cat([emb, m.class_embedding(None, Q)]), need=torch.cat([need, need]))
-            z_c, z_u = z.chunk(2)
-            zu = z_u[seq, pos]
-            cfg = self.cfg_of_step.to(z.device)[step_of_token].to(z.dtype)
-        else:
-            z_c, zu, cfg = m.forward_z(tokens, known, emb, need=need), None, None
+        z_c, z_u = guided_z(m, tokens, known, self.labels[seq_rows], need, self.guided)
+        zu = None if z_u is None else z_u[seq, pos]
+        cfg = None if z_u is None else self.cfg_of_step.to(z_c.device)[step_of_token].to(z_c.dtype)
         rows = seq_rows[seq]
         n = self.noise
         out = m.diffloss.trajectory(z_c[seq, pos], n.init[rows, pos], n.steps[rows, pos],

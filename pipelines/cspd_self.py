@@ -64,7 +64,7 @@ import torch
 
 from mmspec.sampling import draw
 
-from .cspd import MARStats, setup_run
+from .cspd import MARStats, guided_z, setup_run
 
 
 class _Heads:
@@ -78,13 +78,7 @@ class _Heads:
     def forward(self, tokens, known, seq_rows, need):
         """z (and unconditional z under CFG) [Q, L, Z] for Q sequences of rows seq_rows, at the
         positions `need` [Q, L] (NaN elsewhere: `MARModel.forward_z`)."""
-        m, Q = self.m, tokens.shape[0]
-        emb = m.class_embedding(self.labels[seq_rows], Q)
-        if not self.guided:
-            return m.forward_z(tokens, known, emb, need=need), None
-        z = m.forward_z(torch.cat([tokens, tokens]), torch.cat([known, known]),
-                        torch.cat([emb, m.class_embedding(None, Q)]), need=torch.cat([need, need]))
-        return z.chunk(2)
+        return guided_z(self.m, tokens, known, self.labels[seq_rows], need, self.guided)
 
     def cfg(self, steps):
         return self.cfg_of_step[steps] if self.guided else None

@@ -258,6 +258,8 @@ def test_forward_at_wanted_positions_equals_the_full_forward_and_is_nan_elsewher
     assert torch.allclose(got[need], full[need], atol=1e-12, rtol=0)
     assert got[~need].isnan().all()
     assert m.forward_z(tokens, known, emb, need=torch.zeros(B, L, dtype=torch.bool)).isnan().all()
+    with pytest.raises(ValueError, match="need must be"):
+        m.forward_z(tokens, known, emb, need=need[:, :-1])
 
 def test_head_matches_official_sampler_with_and_without_cfg():
     sd = random_official_sd(TINY)

@@ -215,6 +215,9 @@ class MARModel(ModelMixin, ConfigMixin):
         its queries, attention rows and MLP at those positions only (samplers need a few of the
         L per step) and z is NaN everywhere else, so that a stray use cannot pass unnoticed."""
         B, L, _ = tokens.shape
+        if need is not None and tuple(need.shape) != (B, L):
+            raise ValueError(f"need must be a [batch, tokens] = [{B}, {L}] mask of the positions whose z is wanted, "
+                             f"got shape {tuple(need.shape)}")
         buf = self.config.buffer_size
         x = self.z_proj(tokens)
         x = torch.cat([class_embedding[:, None, :].to(x.dtype).expand(B, buf, -1), x], 1)
