@@ -341,6 +341,27 @@ def test_kernel_policy_picks_the_nearest_measured_row_count():
         KernelPolicy((8, 1), (True, False))
 
 
+def test_auto_kernels_measure_sixteen_rows(monkeypatch):
+    """A kernel that wins only at 16 rows (the stock cliff measured on a Xeon VM: stock jumped
+    ~40% from 12 to 16 rows) is found by the measurement and used for 12-22 rows, not inferred
+    from 8 and 32."""
+    from mmspec.models import kernel_choice
+
+    def fake_time(fn, reps):
+        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+        m = next(iter(cells["inputs"].values())).shape[0]
+        if "packed" in fn.__qualname__:
+            return 1.0
+        return 1.5 if m == 16 else 0.9  # stock wins everywhere but at 16 rows
+
+    monkeypatch.setattr(kernel_choice, "_time", fake_time)
+    model = tiny_llama(layers=1, seed=6, vocab=V, hidden=48, dtype=torch.float32)
+    result = kernel_choice.measure(model)
+    assert 16 in result["rows"]
+    policy = result["policy"]
+    assert [policy.use_packed(m) for m in (1, 8, 12, 16, 22, 32)] == [False, False, True, True, True, False]
+
+
 def test_packed_linear_follows_its_policy():
     """Rows the policy sends to stock go through F.linear itself (bit-identical); the others
     through the packed kernel (float32 rounding)."""
