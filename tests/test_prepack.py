@@ -341,6 +341,13 @@ def test_kernel_policy_picks_the_nearest_measured_row_count():
         KernelPolicy((8, 1), (True, False))
 
 
+def _timed_rows(fn) -> int:
+    """The row count a `kernel_choice.measure` pass (`stock_call` / `packed_call`) runs at, read
+    from the inputs its closure holds: lets a faked `_time` answer per row count."""
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    return next(iter(cells["inputs"].values())).shape[0]
+
+
 def test_auto_kernels_measure_sixteen_rows(monkeypatch):
     """A kernel that wins only at 16 rows (the stock cliff measured on a Xeon VM: stock jumped
     ~40% from 12 to 16 rows) is found by the measurement and used for 12-22 rows, not inferred
@@ -348,8 +355,7 @@ def test_auto_kernels_measure_sixteen_rows(monkeypatch):
     from mmspec.models import kernel_choice
 
     def fake_time(fn, reps):
-        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-        m = next(iter(cells["inputs"].values())).shape[0]
+        m = _timed_rows(fn)
         if "packed" in fn.__qualname__:
             return 1.0
         return 1.5 if m == 16 else 0.9  # stock wins everywhere but at 16 rows
@@ -398,8 +404,7 @@ def test_auto_kernels_mixed_by_row_count(monkeypatch):
 
     def fake_time(fn, reps):
         name = getattr(fn, "__qualname__", "")
-        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-        m = next(iter(cells["inputs"].values())).shape[0]  # the row count this pass runs at
+        m = _timed_rows(fn)  # the row count this pass runs at
         return (2.0 if m == 1 else 1.0) if "packed" in name else 1.5  # packed loses at 1 row, wins at more
 
     monkeypatch.setattr(kernel_choice, "_time", fake_time)
@@ -425,8 +430,7 @@ def _mixed_timing(monkeypatch):
     from mmspec.models import kernel_choice
 
     def fake_time(fn, reps):
-        cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-        m = next(iter(cells["inputs"].values())).shape[0]
+        m = _timed_rows(fn)
         return (2.0 if m == 1 else 1.0) if "packed" in fn.__qualname__ else 1.5
 
     monkeypatch.setattr(kernel_choice, "_time", fake_time)
