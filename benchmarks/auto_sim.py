@@ -132,6 +132,7 @@ def main() -> None:
     r.add_argument("--traces", required=True)
     r.add_argument("--tables", required=True, help="pair=table.json,... (auto_replay.py collect)")
     r.add_argument("--seeds", type=int, default=16)
+    r.add_argument("--first-seed", type=int, default=0)
     r.add_argument("--noise", type=float, default=0.1)
     r.add_argument("--switch-penalty", type=float, default=0.08)
     r.add_argument("--oracle", action="store_true")
@@ -155,7 +156,7 @@ def main() -> None:
         make = oracle_factory(cost, tr[pair]) if a.oracle else (lambda: DraftLengthController(8))
         for B, calls in tr[pair].items():
             ratios, plain = [], []
-            for s in range(a.seeds):
+            for s in range(a.first_seed, a.first_seed + a.seeds):
                 fixed = {k: replay(DraftLengthController(8), calls, cost, fixed=k, noise=a.noise,
                                    switch_penalty=a.switch_penalty, seed=s) for k in range(7)}
                 t = replay(make(), calls, cost, noise=a.noise, switch_penalty=a.switch_penalty, seed=s)

@@ -34,7 +34,12 @@ Model (per step, B active rows, K drafts per row):
   tried borrow the pooled rate of the tried ones (a geometric tail). A plain step judges no
   draft, so while plain the recent rates relax upward toward long-run ones (512 outcomes per
   position, ~30 steps): a run of rejections (or noise) that switched speculation off would
-  otherwise hold until a probe, and one probe judges one step's drafts.
+  otherwise hold until a probe, and one probe judges one step's drafts. With this and the
+  averaged first readings below, replayed on the three bench pairs' measured cost tables
+  (benchmarks/auto_sim.py, 28 noise seeds x 12 pair/batch cells), runs below 0.95x the best
+  fixed K fell from 89 to 73 of 336 at 10% step noise (119 to 101 at 15%), the mean rose from
+  0.968 to 0.972 (0.960 to 0.965), and the worst run against plain decoding from 0.83x to 0.97x
+  (0.83x to 0.88x).
 - `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
   (the plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half)
   (an observation above 1.5x its key's mean counts as 1.5x: interference only slows steps down),
@@ -153,9 +158,7 @@ class _LinearCost:
             # The plain average of a key's readings until it has 1 / (1 - decay) of them, then a
             # running mean: at a fixed 1 - decay a key's second reading weighed 10%, so one
             # noisy first reading of a shape the controller then avoided (chosen only at probes,
-            # every 16-64 steps or rarer) kept its estimate off for hundreds of steps. Replayed
-            # on the bench pairs' cost tables with 15% step noise (12 seeds; benchmarks/auto_sim.py),
-            # auto's worst run against the best fixed K went from 0.77 to 0.89 (mean 0.959 -> 0.967).
+            # every 16-64 steps or rarer) kept its estimate off for hundreds of steps.
             # A second reading that is much cheaper than the first, before the machine is known
             # to have one-time costs or not, keeps the old weight: that is their signature.
             w = max(1.0 / (n + 1), 1.0 - self.decay)
@@ -545,9 +548,7 @@ class DraftLengthController:
             # speculation was switched off: a run of hard tokens (or noise) that made plain look
             # better would hold until a probe, and a probe judges one step's drafts. Instead they
             # relax toward the long-run rates (a ~30-step time constant): what is known of this
-            # pair when nothing recent is. Replayed on the three bench pairs' cost tables (10%
-            # step noise, 16 noise seeds), auto against the best fixed K moved from 0.930 / 0.939
-            # to 0.944 / 0.946 on the 69% pair at batch 8 and its worst run from 0.86 to 0.90.
+            # pair when nothing recent is.
             # Only upward: a recent rate above the long-run one (acceptance that recovered, seen
             # by a probe) is what the next probes must confirm, not what a plain stretch undoes.
             for i in range(self.k_max):
