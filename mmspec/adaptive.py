@@ -41,7 +41,8 @@ Model (per step, B active rows, K drafts per row):
   0.968 to 0.972 (0.960 to 0.965), and the worst run against plain decoding from 0.83x to 0.97x
   (0.83x to 0.88x).
 - `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
-  (the plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half)
+  (the plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half,
+  except a much cheaper second reading while one-time costs are undecided: see `_LinearCost`)
   (an observation above 1.5x its key's mean counts as 1.5x: interference only slows steps down),
   otherwise a least-squares line in the number of tokens processed (B * Q for verify, B * K
   for drafting) fitted to every observation so far, so a batch size seen for the first time
