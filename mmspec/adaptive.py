@@ -10,9 +10,11 @@ Model (per step, B active rows, K drafts per row):
 - On a batch the loop also passes each row's remaining token budget, and K minimises the
   projected time until the *last* row is done instead: speculation lets rows drift apart
   (each accepts its own run), so a static batch waits for its unluckiest row, while plain
-  steps keep every row in step. A row needing r tokens takes ~ r / E[G] steps with sd
-  sqrt(r Var[G] / E[G]^3) (G: tokens per step), and the last of B rows lags by ~ sqrt(2 ln B)
-  of those sd (`finish_seconds`; within 8% of a simulated batch, tests/test_core_adaptive_batch.py).
+  steps keep every row in step. A row needing r tokens takes ~ r / E[G] + E[G(G-1)] / (2 E[G]^2)
+  steps (the second term: the last step's drafts past the budget, wasted; K past the last
+  row's r - 1 buys nothing) with sd sqrt(r Var[G] / E[G]^3) (G: tokens per step), and the
+  last of B rows lags by ~ E[max of B standard normals] of those sd (`finish_seconds`;
+  within 8% of a simulated batch, tests/test_core_adaptive_batch.py).
   Rows also differ in acceptance (one prompt is easier to draft than another), which widens the
   gap to the slowest row beyond that step-to-step noise: the controller counts each row's
   accepted and judged drafts during a request (the loop passes row ids) and, when the next
@@ -20,12 +22,18 @@ Model (per step, B active rows, K drafts per row):
   `between_var`; the projection adds the steps a row sigma_a below the mean rate needs
   (measured on the 47% bench pair at batch 4: the slowest row took 39 steps at K = 1 where
   independent rows project 37).
-  Rows that are done leave the batch, so only a step's fixed part is paid until the last row
-  is done; its per-row part (the slope of the cost lines below) is paid for each row's own
-  steps. Charging whole steps until the last row is done made the tail look as expensive as
-  the start and kept a 69%-agreement pair plain at batch 8 where K = 1 ran 9% faster.
-  At batch 1 the ranking is that of tokens per second; at batch 16 with weak drafts it is
-  what keeps the loop plain where per-row throughput would still speculate (and lose).
+  Rows that are done leave the batch: between two rows' expected finishes a step costs what a
+  step of the rows still running costs (measured per row count, or from the fitted lines).
+  Charging whole steps until the last row is done made the tail look as expensive as the start
+  and kept a 69%-agreement pair plain at batch 8 where K = 1 ran 9% faster; splitting a step
+  into a fixed part and a per-row part from the fitted lines' slopes (sessions 12-42) was
+  within 4% of the best fixed K given true costs, but underpriced long drafts' tails at batch
+  8-16 (replayed on measured tables, 0.93 of the best fixed K on the 81% pair at batch 16;
+  0.997 with per-row-count costs), and the sqrt(2 ln B) maximum it used overstated the
+  slowest row's lag by ~0.6 sd at batch 2-16.
+  At batch 1 the ranking is that of tokens per second, less the last step's overshoot; at
+  batch 16 with weak drafts the projection is what keeps the loop plain where per-row
+  throughput would still speculate (and lose).
 - `a_j` are running estimates with forgetting (recent outcomes weigh more), so speculation
   switches itself off when acceptance drops and back on when it recovers. They forget per draft
   outcome (a memory of `memory` = 32 outcomes per position) and at most by `decay` per step:
@@ -93,9 +101,11 @@ BanditSpec (Hou et al. 2025, arXiv 2505.15141) treats the choice of K as a bandi
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict
+
+
+_SQRT2, _SQRT2PI = math.sqrt(2.0), math.sqrt(2.0 * math.pi)
 
 
 class _LinearCost:
@@ -279,6 +289,10 @@ class DraftLengthController:
         self.replan_every = 4  # while plain: steps between rankings (see `choose`)
         self._plain_age = 0
         self._plain_batch: int | None = None
+        # seconds(b, K) for the projection's stretches, kept between rankings: a step changes its
+        # own key's means, and the fitted lines (forgetting 1% a reading) only slowly
+        self._memo: dict = {}
+        self._memo_age = 0
 
     # ---- estimates ------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -338,60 +352,74 @@ class DraftLengthController:
             out.append(total)
         return out
 
-    def per_row_seconds(self, batch: int, k: int, seconds: float | None = None) -> float:
-        """The part of a step's seconds at (batch, K) that each row adds (beta_K): the slopes of
-        the fitted cost lines (seconds per token processed) times the tokens a row processes,
-        K + 1 verified and K drafted; at most seconds(batch, K) / batch. The rest of the step,
-        seconds(batch, K) - batch * beta_K, is what a step costs whatever its rows (alpha_K)."""
-        s = self.seconds(batch, k) if seconds is None else seconds
-        if not s or s <= 0:
-            return 0.0
-        v, d = self.verify.line(), self.draft.line()
-        beta = (v[1] * (k + 1) if v else 0.0) + (d[1] * k if d and k else 0.0)
-        return min(max(beta, 0.0), s / batch)
-
     def finish_seconds(self, batch: int, k: int, remaining: list[int]) -> float | None:
         """Projected seconds until the batch's last row is done if every step drafted K.
-        The batch ends with its slowest row: a row that needs r more tokens takes about
-        r / E[G] steps (renewal theory, sd sqrt(r Var[G] / E[G]^3)), and the last of n rows
-        lags the mean by about sqrt(2 ln n) of those sd (Gaussian maxima; n counts the rows
-        within two sd, in tokens, of the slowest one: the others finish first). At K = 0 every row
-        takes exactly r steps, and no K takes more (at least one token per step). Rows that are
-        done leave the batch, so a step's fixed part (alpha_K) is paid until the last row is
-        done, its per-row part (beta_K, `per_row_seconds`) only for each row's own steps:
-        time = alpha_K * steps(slowest) + beta_K * sum_rows r_i / E[G]. At batch 1 the ranking of
-        K is exactly that of tokens per second."""
+        A row that needs r more tokens takes about r / E[G] + E[G(G-1)] / (2 E[G]^2) steps
+        (renewal theory: the second term is the last step's overshoot past the budget; sd
+        sqrt(r Var[G] / E[G]^3)), and the last of n rows lags by E[max of n standard normals]
+        of those sd (n counts the rows within two sd, in tokens, of the slowest one: the others
+        finish first). At K = 0 every row takes exactly r steps, and no K takes more (at least
+        one token per step). Rows that are done leave the batch, so between two rows' expected
+        finishes a step costs `seconds(rows still running, K)`: the time is the sum of those
+        stretches. At batch 1 it is seconds(1, K) times the expected steps."""
         return self._finish_seconds(batch, k, remaining, self.acceptance())
 
     def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float],
                         moments: tuple[float, float] | None = None, slope: float | None = None) -> float | None:
         """`finish_seconds` with what a caller ranking every K computes once for all K: the
         `moments` of K and the `slope` of E[G] in the rates (`_mean_slopes`)."""
-        s = self.seconds(batch, k)
+        s = self._seconds_memo(batch, k)
         if s is None or s <= 0:
             return None
-        mean, var = self.token_moments(k, rates) if moments is None else moments
         ordered = sorted(remaining)
         r = ordered[-1]
+        mean, var = self.token_moments(min(k, max(r - 1, 0)), rates) if moments is None else moments
         # Rows also differ in acceptance (prompt by prompt): a row whose tokens per step sit
         # sigma_m below the mean needs r sigma_m / mean^2 more steps, on top of the step-to-step
         # noise r Var[G] / mean^3 (in steps^2).
         if self.between_var > 0.0 and k > 0:
             if slope is None:
-                slope = self._mean_slopes(rates, k)[k]
+                kk = min(k, max(r - 1, 0))
+                slope = self._mean_slopes(rates, kk)[kk]
             between = (r * math.sqrt(self.between_var) * slope / mean ** 2) ** 2
         else:
             between = 0.0
-        step_var = r * var / mean ** 3 + between
-        # The rows that can still finish last: those within two sd (in tokens) of the slowest.
-        reach = 2.0 * math.sqrt(step_var) * mean
-        rivals = len(ordered) - bisect.bisect_left(ordered, r - reach)
-        spread = math.sqrt(2.0 * math.log(rivals)) if rivals > 1 else 0.0
-        steps = min(r / mean + spread * math.sqrt(step_var), r)
+        # A request ends mid-step: the last step's drafts past the budget are wasted, so a row
+        # needing r tokens takes about r / mean + E[G(G - 1)] / (2 mean^2) steps (renewal theory:
+        # the mean overshoot past the budget; 0 at K = 0, within 0.05 step of the exact
+        # expectation from r = K + 2 on), and at least one.
+        overshoot = (var + mean * mean - mean) / (2.0 * mean * mean)
+        noise, spread = var / mean ** 3, between / max(r * r, 1)  # step variance: r * noise + r^2 * spread
+        # The last row to finish: Clark's moments of the maximum of normal finishing steps, folded
+        # in from the slowest row down (rows far enough below it no longer matter).
+        m, v = r / mean + overshoot, r * noise + between
+        for ri in reversed(ordered[:-1]):
+            mi, vi = ri / mean + overshoot, ri * noise + ri * ri * spread
+            theta = math.sqrt(v + vi)
+            if theta <= 0.0:
+                m = max(m, mi)
+                continue
+            z = (m - mi) / theta
+            if z > 4.0:  # this row and all below it finish first (P > 0.99997)
+                break
+            cdf, pdf = 0.5 * (1.0 + math.erf(z / _SQRT2)), math.exp(-0.5 * z * z) / _SQRT2PI
+            second = (m * m + v) * cdf + (mi * mi + vi) * (1.0 - cdf) + (m + mi) * theta * pdf
+            m = m * cdf + mi * (1.0 - cdf) + theta * pdf
+            v = max(second - m * m, 0.0)
+        steps = min(max(m, 1.0), r)
         if batch == 1:
             return s * steps
-        beta = self.per_row_seconds(batch, k, s)
-        return (s - batch * beta) * steps + beta * sum(remaining) / mean
+        # Rows that are done leave the batch: a row is expected done after its own r_i / mean +
+        # overshoot steps (the slowest after `steps`), and between two finishes each step costs
+        # what a step of the rows still running costs (measured, or from the fitted lines).
+        total, prev, b = 0.0, 0.0, batch
+        for f in sorted([min(max(ri / mean + overshoot, 1.0), ri) for ri in ordered[:-1]] + [steps]):
+            if f > prev:  # rows with the same budget finish together: no stretch between them
+                sb = s if b == batch else self._seconds_memo(b, k)
+                total += (f - prev) * (sb if sb is not None else s * b / batch)
+                prev = f
+            b -= 1
+        return total
 
     # ---- the decision ---------------------------------------------------------------------------
     def choose(self, batch: int, remaining: list[int] | None = None) -> int:
@@ -463,7 +491,10 @@ class DraftLengthController:
             acc = self.acceptance()  # once per step, not once per K
             moments = self._all_moments(acc)  # one pass for every K (token_moments is O(K) each)
             slopes = self._mean_slopes(acc, self.k_max)
-            times = {k: self._finish_seconds(batch, k, remaining, acc, moments[k], slopes[k])
+            # Drafts past a row's budget are never emitted: K beyond the slowest row's r - 1
+            # tokens buys what K = r - 1 does, at its own cost.
+            cap = max(max(remaining) - 1, 0)
+            times = {k: self._finish_seconds(batch, k, remaining, acc, moments[min(k, cap)], slopes[min(k, cap)])
                      for k in range(self.k_max + 1)}
             return {k: None if t is None else 1.0 / t for k, t in times.items()}
         return {k: self.rate(batch, k) for k in range(self.k_max + 1)}
@@ -575,6 +606,18 @@ class DraftLengthController:
         if k > 0 and not self._skip_draft_cost and (warm or (batch, k) not in self.draft.means):
             self.draft.observe((batch, k), batch * k, draft_seconds)
         self._skip_draft_cost = False
+        self._memo_age += 1
+        if self._memo_age >= 8 or self.steps < 32:
+            self._memo.clear()
+            self._memo_age = 0
+        else:
+            self._memo.pop((batch, k), None)
+
+    def _seconds_memo(self, batch: int, k: int) -> float | None:
+        s = self._memo.get((batch, k), self)
+        if s is self:
+            s = self._memo[(batch, k)] = self.seconds(batch, k)
+        return s
 
 
 def summarize(history: list[int]) -> dict[int, int]:
