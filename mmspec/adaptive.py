@@ -24,16 +24,8 @@ Model (per step, B active rows, K drafts per row):
   independent rows project 37).
   Rows that are done leave the batch: between two rows' expected finishes a step costs what a
   step of the rows still running costs (measured per row count, or from the fitted lines).
-  Charging whole steps until the last row is done made the tail look as expensive as the start
-  and kept a 69%-agreement pair plain at batch 8 where K = 1 ran 9% faster; splitting a step
-  into a fixed part and a per-row part from the fitted lines' slopes (sessions 12-42) was
-  within 4% of the best fixed K given true costs, but underpriced long drafts' tails at batch
-  8-16 (replayed on measured tables, 0.93 of the best fixed K on the 81% pair at batch 16;
-  0.997 with per-row-count costs), and the sqrt(2 ln B) maximum it used overstated the
-  slowest row's lag by ~0.6 sd at batch 2-16.
-  At batch 1 the ranking is that of tokens per second, less the last step's overshoot; at
-  batch 16 with weak drafts the projection is what keeps the loop plain where per-row
-  throughput would still speculate (and lose).
+  docs/architecture.md gives the history of this projection and what each version measured.
+  At batch 1 the ranking is that of tokens per second, less the last step's overshoot.
 - `a_j` are running estimates with forgetting (recent outcomes weigh more), so speculation
   switches itself off when acceptance drops and back on when it recovers. They forget per draft
   outcome (a memory of `memory` = 32 outcomes per position) and at most by `decay` per step:
@@ -42,12 +34,8 @@ Model (per step, B active rows, K drafts per row):
   tried borrow the pooled rate of the tried ones (a geometric tail). A plain step judges no
   draft, so while plain the recent rates relax upward toward long-run ones (512 outcomes per
   position, ~30 steps): a run of rejections (or noise) that switched speculation off would
-  otherwise hold until a probe, and one probe judges one step's drafts. With this and the
-  averaged first readings below, replayed on the three bench pairs' measured cost tables
-  (benchmarks/auto_sim.py, 28 noise seeds x 12 pair/batch cells), runs below 0.95x the best
-  fixed K fell from 89 to 73 of 336 at 10% step noise (119 to 101 at 15%), the mean rose from
-  0.968 to 0.972 (0.960 to 0.965), and the worst run against plain decoding from 0.83x to 0.97x
-  (0.83x to 0.88x).
+  otherwise hold until a probe, and one probe judges one step's drafts (replayed without the
+  models: benchmarks/auto_sim.py, docs/architecture.md).
 - `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
   (the plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half,
   except a much cheaper second reading while one-time costs are undecided: see `_LinearCost`)
@@ -67,22 +55,15 @@ Model (per step, B active rows, K drafts per row):
   doubles the gap to the next one (up to `max_probe_every`), a probe that changes it resets
   the gap. A pair whose speculation never pays thus stops paying for probes (each one makes
   the drafter catch up on every token since it last ran), while a change in acceptance is
-  still found within a few `max_probe_every` steps. A probe also costs what it costs: when
-  it changes nothing, the gap is at least long enough that probing takes at most
-  `probe_budget` (1%) of the time of plain steps, from the probe's measured seconds less
-  what its emitted tokens would have cost at the kept choice (at most `budget_gap_factor *
-  max_probe_every` = 1024 steps by default, so recovery stays bounded; a cap of 256 kept weak
-  pairs at batch 8 paying ~2% for probes, each worth ~5 plain steps, in session 13's bench);
-  at a large batch a probe after a long plain stretch
-  costs a few plain steps, while a probe that drafts where drafting pays costs nothing. The controller
-  lives on the drafter, so the gaps carry over from one call to the next.
+  still found within a few `max_probe_every` steps. A probe that changes nothing also spaces
+  the next one so that probing takes at most `probe_budget` (1%) of the time of plain steps
+  (its measured seconds less what its tokens were worth at the kept choice; at most
+  `budget_gap_factor * max_probe_every` = 1024 steps, so recovery stays bounded). The
+  controller lives on the drafter, so the gaps carry over from one call to the next.
 - The first `cold_steps` (3) steps of a request (the loop marks requests with `begin_request`)
   teach only costs not measured yet: right after a prefill every forward runs slower (cold
-  caches; on a 2-core EPYC VM a VLM's first one-token step took 1.9 ms against ~1.5 ms later),
-  and the controller takes its plain steps mostly there, before it switches to drafting, so
-  their costs made plain decoding look ~8% dearer than a whole plain request measures (69%
-  bench pair, batch 16: 24.2 ms against 22.5 ms a step), enough to put K = 1 ahead of a plain
-  batch that ran faster.
+  caches), and `auto` takes its plain steps mostly there, so their costs made plain decoding
+  look ~8% dearer than a whole plain request measures (69% bench pair, batch 16).
 - Steps whose drafting included one-off work (the drafter catching up after plain steps,
   or its deferred prompt prefill; the drafter reports it through `skip_draft_cost_once`)
   teach the acceptance and verify estimates but not the per-step drafting cost, which
@@ -114,15 +95,12 @@ class _LinearCost:
     preferred when present.
 
     First observations are provisional where this machine shows one-time costs. A shape's first
-    run may pay work its later runs do not: on the H100 of session 30 the keys `auto` had seen
-    once cost 30-160% more than the same batch's repeated keys (kernel and plan selection,
-    allocator growth). Averaged in at decay 0.9 such a first reading took ~15 more observations
-    to fade, and a shape that looks dear is rarely chosen again (probes come every 16-64 steps):
-    `auto` stayed at K = 3 where K = 5-8 ran faster. On a CPU a first run costs what later ones
-    do, and treating it as provisional there cost ~2% (more exploration of rarely chosen shapes,
-    estimates biased low by keeping the cheaper of two noisy readings). So it is measured, not
-    assumed: every key's first reading is compared with its second, and once two keys have
-    shown it and their geometric-mean ratio is above `one_time_ratio`, (1) a cheaper second
+    run may pay work its later runs do not (on the H100 of session 30 keys seen once cost
+    30-160% more than repeated ones: kernel and plan selection, allocator growth), and a shape
+    that looks dear is rarely chosen again: `auto` stayed at K = 3 where K = 5-8 ran faster. On
+    a CPU a first run costs what later ones do, and treating it as provisional there cost ~2%.
+    So it is measured: every key's first reading is compared with its second, and once two keys
+    have shown it and their geometric-mean ratio is above `one_time_ratio`, (1) a cheaper second
     observation replaces the first instead of being averaged with it, and (2) while a key has
     been seen once, its estimate is at most what the line through repeated observations (of
     other keys) predicts for it, so it is tried once more before it is trusted.
@@ -377,13 +355,10 @@ class DraftLengthController:
         # Rows also differ in acceptance (prompt by prompt): a row whose tokens per step sit
         # sigma_m below the mean needs r sigma_m / mean^2 more steps, on top of the step-to-step
         # noise r Var[G] / mean^3 (in steps^2).
+        between = 0.0
         if self.between_var > 0.0 and k > 0:
-            if slope is None:
-                kk = min(k, max(r - 1, 0))
-                slope = self._mean_slopes(rates, kk)[kk]
+            slope = self._mean_slopes(rates, min(k, r - 1))[min(k, r - 1)] if slope is None else slope
             between = (r * math.sqrt(self.between_var) * slope / mean ** 2) ** 2
-        else:
-            between = 0.0
         # A request ends mid-step: the last step's drafts past the budget are wasted, so a row
         # needing r tokens takes about r / mean + E[G(G - 1)] / (2 mean^2) steps (renewal theory:
         # the mean overshoot past the budget; 0 at K = 0, within 0.05 step of the exact
@@ -409,9 +384,8 @@ class DraftLengthController:
         steps = min(max(m, 1.0), r)
         if batch == 1:
             return s * steps
-        # Rows that are done leave the batch: a row is expected done after its own r_i / mean +
-        # overshoot steps (the slowest after `steps`), and between two finishes each step costs
-        # what a step of the rows still running costs (measured, or from the fitted lines).
+        # Rows that are done leave the batch: a row is done after its own r_i / mean + overshoot
+        # steps (the slowest after `steps`); in between, a step costs what the rows left cost.
         total, prev, b = 0.0, 0.0, batch
         for f in sorted([min(max(ri / mean + overshoot, 1.0), ri) for ri in ordered[:-1]] + [steps]):
             if f > prev:  # rows with the same budget finish together: no stretch between them
@@ -551,11 +525,9 @@ class DraftLengthController:
             gained = [1 + min(n, k) for n in accepted]
             if self._probe_base == 0 and self._finish_objective and gained:
                 # A probe from plain decoding in a batch that is done when its slowest row is:
-                # plain rows move in lockstep, so what the probe bought is what its slowest row
-                # gained, for every row (rows that got ahead only finish earlier, and their lead
-                # costs a ragged layout for the rest of the request). Counting every row's gain
-                # priced a K = 1 probe at batch 4 (47% acceptance) ~1.5 plain steps cheaper than it
-                # ran, and such probes came every ~50 steps instead of the ~150 the budget asks.
+                # plain rows move in lockstep, so the probe bought what its slowest row gained, for
+                # every row (counting every row's gain priced a K = 1 probe at batch 4, 47%
+                # acceptance, ~1.5 plain steps cheaper than it ran: probes every ~50 steps, not ~150).
                 self._probe_tokens = batch * min(gained)
             else:
                 self._probe_tokens = sum(gained)
