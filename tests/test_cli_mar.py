@@ -208,7 +208,23 @@ def test_demo_mar_section(folder, tmp_path):
     assert "\n" not in text and "MAR section skipped" in text and "mmspec testbed train-mar" in text
     assert not (tmp_path / "demo").exists()
     text = demo_section(str(tmp_path / "demo"), model=folder, threads=1)
-    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (8 * 32, 3 * 32)  # plain, cspd, cspd-self
+    assert Image.open(tmp_path / "demo" / "mar_plain_vs_cspd.png").size == (4 * 32, 3 * 32)  # plain, cspd, cspd-self
     report = json.loads((tmp_path / "demo" / "mar_demo.json").read_text())
+    assert report["config"]["warmup_chunks"] == 1  # the warm-up samples one batch per method, not a round
     assert [b["batch_size"] for b in report["batches"]] == [1, 4] and "speed-up" in text
     assert report["config"]["num_iter"] == 16  # one token a step (4 x 4 tokens), not the folder's default
+
+
+@pytest.mark.parametrize("warmup_chunks,warm", [(None, 3), (1, 1)])
+def test_the_warmup_round_samples_as_many_batches_as_asked(folder, monkeypatch, warmup_chunks, warm):
+    import mmspec.bench.mar as mb
+
+    seen = []
+    real = mb.run_chunk
+    monkeypatch.setattr(mb, "run_chunk", lambda pipe, chunk, call, seed, totals: (seen.append(seed), real(pipe, chunk, call, seed, totals)))
+    cfg = mb.MARBenchConfig(model=str(folder), batch_sizes=(1,), num_images=3, repeats=1, num_iter=2, threads=1,
+                            inner_temperature=0, plain_iters=(), warmup_chunks=warmup_chunks)
+    report = mb.run(cfg)
+    n = len(mb.methods(cfg))
+    assert len(seen) == n * (warm + 3)  # warm-up batches, then a full timed round of 3
+    assert report["batches"][0]["methods"]["plain"]["target_forwards_per_image"] == 2.0  # timed round: 3 whole images
