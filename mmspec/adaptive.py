@@ -334,12 +334,12 @@ class DraftLengthController:
         """Projected seconds until the batch's last row is done if every step drafted K.
         A row that needs r more tokens takes about r / E[G] + E[G(G-1)] / (2 E[G]^2) steps
         (renewal theory: the second term is the last step's overshoot past the budget; sd
-        sqrt(r Var[G] / E[G]^3)), and the last of n rows lags by E[max of n standard normals]
-        of those sd (n counts the rows within two sd, in tokens, of the slowest one: the others
-        finish first). At K = 0 every row takes exactly r steps, and no K takes more (at least
-        one token per step). Rows that are done leave the batch, so between two rows' expected
-        finishes a step costs `seconds(rows still running, K)`: the time is the sum of those
-        stretches. At batch 1 it is seconds(1, K) times the expected steps."""
+        sqrt(r Var[G] / E[G]^3)); the last row to finish is the maximum of the rows' normal
+        finishing steps (Clark's moments, folded in from the slowest row down). At K = 0 every
+        row takes exactly r steps, and no K takes more (at least one token per step); K past the
+        slowest row's r - 1 counts as r - 1. Rows that are done leave the batch, so between two
+        rows' expected finishes a step costs `seconds(rows still running, K)`, summed over those
+        stretches; at batch 1, seconds(1, K) times the expected steps."""
         return self._finish_seconds(batch, k, remaining, self.acceptance())
 
     def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float],
@@ -351,13 +351,13 @@ class DraftLengthController:
             return None
         ordered = sorted(remaining)
         r = ordered[-1]
-        mean, var = self.token_moments(min(k, max(r - 1, 0)), rates) if moments is None else moments
-        # Rows also differ in acceptance (prompt by prompt): a row whose tokens per step sit
-        # sigma_m below the mean needs r sigma_m / mean^2 more steps, on top of the step-to-step
-        # noise r Var[G] / mean^3 (in steps^2).
+        kk = min(k, max(r - 1, 0))  # drafts past the slowest row's budget are never emitted
+        mean, var = self.token_moments(kk, rates) if moments is None else moments
+        # Rows differ in acceptance (prompt by prompt): a row sigma_m below the mean tokens per step
+        # needs r sigma_m / mean^2 more steps, on top of the step-to-step noise r Var[G] / mean^3.
         between = 0.0
         if self.between_var > 0.0 and k > 0:
-            slope = self._mean_slopes(rates, min(k, r - 1))[min(k, r - 1)] if slope is None else slope
+            slope = self._mean_slopes(rates, kk)[kk] if slope is None else slope
             between = (r * math.sqrt(self.between_var) * slope / mean ** 2) ** 2
         # A request ends mid-step: the last step's drafts past the budget are wasted, so a row
         # needing r tokens takes about r / mean + E[G(G - 1)] / (2 mean^2) steps (renewal theory:
@@ -367,9 +367,10 @@ class DraftLengthController:
         noise, spread = var / mean ** 3, between / max(r * r, 1)  # step variance: r * noise + r^2 * spread
         # The last row to finish: Clark's moments of the maximum of normal finishing steps, folded
         # in from the slowest row down (rows far enough below it no longer matter).
-        m, v = r / mean + overshoot, r * noise + between
-        for ri in reversed(ordered[:-1]):
-            mi, vi = ri / mean + overshoot, ri * noise + ri * ri * spread
+        finish = [ri / mean + overshoot for ri in ordered]  # each row's expected steps
+        m, v = finish[-1], r * noise + between
+        for ri, mi in zip(reversed(ordered[:-1]), reversed(finish[:-1])):
+            vi = ri * noise + ri * ri * spread
             theta = math.sqrt(v + vi)
             if theta <= 0.0:
                 m = max(m, mi)
@@ -387,7 +388,7 @@ class DraftLengthController:
         # Rows that are done leave the batch: a row is done after its own r_i / mean + overshoot
         # steps (the slowest after `steps`); in between, a step costs what the rows left cost.
         total, prev, b = 0.0, 0.0, batch
-        for f in sorted([min(max(ri / mean + overshoot, 1.0), ri) for ri in ordered[:-1]] + [steps]):
+        for f in sorted([min(max(f, 1.0), ri) for f, ri in zip(finish[:-1], ordered)] + [steps]):
             if f > prev:  # rows with the same budget finish together: no stretch between them
                 sb = s if b == batch else self._seconds_memo(b, k)
                 total += (f - prev) * (sb if sb is not None else s * b / batch)

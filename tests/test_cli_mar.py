@@ -228,3 +228,11 @@ def test_the_warmup_round_samples_as_many_batches_as_asked(folder, monkeypatch, 
     n = len(mb.methods(cfg))
     assert len(seen) == n * (warm + 3)  # warm-up batches, then a full timed round of 3
     assert report["batches"][0]["methods"]["plain"]["target_forwards_per_image"] == 2.0  # timed round: 3 whole images
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1"])
+def test_a_bad_warmup_chunks_is_refused_by_name(bad):
+    from mmspec.bench.mar import MARBenchConfig
+
+    with pytest.raises(ValueError, match="warmup_chunks"):
+        MARBenchConfig(warmup_chunks=bad)

@@ -93,6 +93,10 @@ class MARBenchConfig:
             raise ValueError(f"self_draft_steps must be an int >= 0 (0: no cspd-self rows), got {self.self_draft_steps!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        w = self.warmup_chunks
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"warmup_chunks must be an int >= 1 (batches the warm-up round samples) or None "
+                             f"(a whole round), got {w!r}")
         if self.draft_head_steps is not None and self.draft_head_steps < 2:
             raise ValueError(f"draft_head_steps must be >= 2, got {self.draft_head_steps}")
         check_device(self.device)
