@@ -165,6 +165,7 @@ class ModelDrafter(DraftsWithPositionNoise):
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
         self.draft_calls = 0
         self._prefill_args: tuple[torch.Tensor, torch.Tensor, int] | None = None  # a deferred prompt prefill
+        self._deferred: list[torch.Tensor] = []
         self._plain_steps = 0
 
     # ---- protocol --------------------------------------------------------------------------
@@ -178,6 +179,7 @@ class ModelDrafter(DraftsWithPositionNoise):
         self.pending = input_ids.new_zeros(B, 0)
         self.pending_count = input_ids.new_zeros(B)
         self.pending_host = [0] * B
+        self._deferred = []  # plain steps' roots, appended at the next catch-up
         self._plain_steps = 0  # K = 0 steps since the drafter last ran
         self._cap = None
         if self.adaptive:
@@ -260,6 +262,7 @@ class ModelDrafter(DraftsWithPositionNoise):
             self._prefill_args = (ids.index_select(0, rows), mask.index_select(0, rows), slots)
         else:
             self.runner.select_rows(rows, rows_host)
+        self._flush()
         self.pending = self.pending.index_select(0, rows)
         self.pending_count = self.pending_count.index_select(0, rows)
         self.pending_host = [self.pending_host[r] for r in rows_host]
@@ -290,14 +293,26 @@ class ModelDrafter(DraftsWithPositionNoise):
 
     # ---- internals -------------------------------------------------------------------------
     def _defer(self, roots: torch.Tensor) -> None:
-        """Append each row's root to its pending tokens (no forward)."""
+        """Keep a plain step's roots for the next catch-up (no forward, no tensor work: a plain
+        step of `auto` should cost what plain decoding does; `_flush` appends them at once)."""
+        self._deferred.append(roots)
+
+    def _flush(self) -> None:
+        """Append the deferred roots to each row's pending tokens: one scatter for the stretch."""
+        if not self._deferred:
+            return
+        n = len(self._deferred)
+        new = torch.stack(self._deferred, 1)  # [B, n]
+        self._deferred = []
         B, P = self.pending.shape
-        rows = torch.arange(B, device=roots.device)
-        pending = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)
-        pending[rows, self.pending_count] = roots
-        self.pending = pending
-        self.pending_count = self.pending_count + 1
-        self.pending_host = [c + 1 for c in self.pending_host]
+        if P == 0:
+            self.pending = new
+        else:
+            pending = torch.cat([self.pending, new.new_zeros(B, n)], 1)
+            at = self.pending_count.unsqueeze(1) + torch.arange(n, device=new.device)
+            self.pending = pending.scatter_(1, at, new)
+        self.pending_count = self.pending_count + n
+        self.pending_host = [c + n for c in self.pending_host]
     def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
         """Run pending tokens + root (after the deferred prompt prefill, if any); returns
         drafter logits [B, V] at the root."""
@@ -310,6 +325,7 @@ class ModelDrafter(DraftsWithPositionNoise):
                 self.draft_calls += 1
                 self._prefill_args = None
             self._plain_steps = 0
+        self._flush()
         B, P = self.pending.shape
         rows = torch.arange(B, device=roots.device)
         tokens = torch.cat([self.pending, roots.new_zeros(B, 1)], 1)
