@@ -40,6 +40,24 @@ def test_bench_core_smoke(tmp_path):
         assert len(r["seconds_per_round"]["auto"]) == 1 and "auto_vs_best_fixed_split" not in r  # needs 2 rounds
 
 
+def test_bench_core_cells_cycle_prompt_sets_alike_for_every_method():
+    """Round r runs prompt set (r + 1) mod n for every method (the warm-up call set 0); a
+    method's time is the sum over the sets seen of its median seconds there (worked by hand)."""
+    from mmspec.bench.draft_length import DraftLengthBench, _cycling, _workload_seconds
+
+    seen = []
+    m = _cycling(lambda j: seen.append(j) or f"out{j}", 3)
+    for _ in range(7):  # warm-up + 6 rounds
+        m()
+    assert seen == [0, 1, 2, 0, 1, 2, 0] and m.outs == {0: "out0", 1: "out1", 2: "out2"}
+    # rounds 0..5 ran sets 1, 2, 0, 1, 2, 0: medians 1.5 (set 1: 1, 2), 4 (set 2: 3, 5), 2.5 (set 0: 2, 3)
+    assert _workload_seconds([1.0, 3.0, 2.0, 2.0, 5.0, 3.0], 3) == 1.5 + 4.0 + 2.5
+    assert _workload_seconds([1.0, 3.0, 2.0, 2.0, 5.0, 3.0], 3, min) == 1.0 + 3.0 + 2.0
+    assert _workload_seconds([4.0, 1.0, 2.0], 1) == 2.0  # one prompt: the median of the rounds
+    with pytest.raises(ValueError, match="prompts must be an int >= 1"):
+        DraftLengthBench(prompts=0)
+
+
 def test_split_best_fixed_k_is_picked_and_timed_on_different_rounds():
     """The unbiased "best fixed K": chosen on even rounds, compared with auto on odd rounds only."""
     from mmspec.bench.draft_length import _split_best
@@ -82,22 +100,24 @@ def test_interleaved_rounds_alternate_their_order():
 
 
 def test_bench_core_fastest_round_figures(tmp_path):
-    """With 2 rounds each row also gives the ratios of each method's fastest round, and they
-    agree with the per-round seconds it reports."""
-    path = tmp_path / "core.json"
-    assert main(["bench", "core", "--smoke", "--threads", "1", "--repeats", "2", "--batch-sizes", "1",
-                 "--json", str(path)]) == 0
-    (row,) = json.loads(path.read_text())["rows"]
-    fr, secs = row["fastest_round"], row["seconds_per_round"]
-    assert len(secs["auto"]) == 2
-    want = min(secs["plain"]) / min(secs["auto"])
-    # The JSON's seconds are rounded to 0.1 ms (a smoke call takes a few ms), the ratio to 1e-3.
-    rounding = want * (0.5e-4 / min(secs["plain"]) + 0.5e-4 / min(secs["auto"])) + 0.5e-3
-    assert abs(fr["auto_vs_plain"] - want) < rounding + 1e-3 * want
-    # The fastest fixed K: the JSON's seconds are rounded to 0.1 ms, so a near-tie may read
-    # either way; the pick must be within that rounding of the fastest.
-    best = min(min(secs[n]) for n in secs if n.startswith("K="))
-    assert fr["best_fixed"].startswith("K=") and min(secs[fr["best_fixed"]]) <= best + 1e-4
+    """With 2 rounds each row also gives the ratios of each method's fastest rounds, and they
+    agree with the per-round seconds it reports: with one prompt set the fastest round; with
+    three sets, 2 rounds ran sets 1 and 2 once each, so a method's figure is the sum of both."""
+    for prompts, fastest in (("1", min), ("3", sum)):
+        path = tmp_path / f"core{prompts}.json"
+        assert main(["bench", "core", "--smoke", "--threads", "1", "--repeats", "2", "--batch-sizes", "1",
+                     "--prompts", prompts, "--json", str(path)]) == 0
+        (row,) = json.loads(path.read_text())["rows"]
+        fr, secs = row["fastest_round"], row["seconds_per_round"]
+        assert len(secs["auto"]) == 2 and row["prompt_sets"] == min(int(prompts), 2)  # sets the timed rounds ran
+        want = fastest(secs["plain"]) / fastest(secs["auto"])
+        # The JSON's seconds are rounded to 0.1 ms (a smoke call takes a few ms), the ratio to 1e-3.
+        rounding = want * (1e-4 / fastest(secs["plain"]) + 1e-4 / fastest(secs["auto"])) + 0.5e-3
+        assert abs(fr["auto_vs_plain"] - want) < rounding + 1e-3 * want
+        # The fastest fixed K: the JSON's seconds are rounded to 0.1 ms, so a near-tie may read
+        # either way; the pick must be within that rounding of the fastest.
+        best = min(fastest(secs[n]) for n in secs if n.startswith("K="))
+        assert fr["best_fixed"].startswith("K=") and fastest(secs[fr["best_fixed"]]) <= best + 2e-4
     lo, hi = row["auto_vs_plain_ci90"]
     assert lo <= hi and lo <= max(row["auto_vs_plain_rounds"]) and hi >= min(row["auto_vs_plain_rounds"])
 

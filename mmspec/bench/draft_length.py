@@ -6,6 +6,14 @@ Per (pair, batch) the table gives tokens/s of plain `generate` on the same kerne
 mmspec, of mmspec with each fixed K, of mmspec "auto", the best fixed K in hindsight and the
 ratio auto / best fixed; at batch 1 also transformers' assisted generation at its default
 (adaptive) schedule, as shipped. Every mmspec output is checked identical to plain greedy.
+
+A cell is a small workload, not one request: round r decodes prompt set (r + 1) mod `prompts`
+(the warm-up round set 0) with every method alike. With greedy decoding one request's accepted
+runs are a fixed property of its prompt, and on a single 48-token request a fixed K can win by
+where those runs happen to end (K = 4, 5 and 6 needing the same 12 steps, say), which no rule
+choosing K from past steps can know and no other prompt repeats. A method's time is the sum
+over prompt sets of its median seconds on that set; per-round ratios pair the methods on the
+same set. `prompts=1` is the single-prompt bench of sessions 12-44.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class DraftLengthBench:
     repeats: int = 2
     threads: int | None = None
     pair: PairConfig = field(default_factory=PairConfig)
+    prompts: int = 3
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.pairs if p not in PAIRS]
@@ -52,6 +61,8 @@ class DraftLengthBench:
             raise ValueError(f"unknown pairs {unknown}; choose from {sorted(PAIRS)}")
         if self.repeats < 1 or self.max_new_tokens < 1:
             raise ValueError("repeats and max_new_tokens must be >= 1")
+        if isinstance(self.prompts, bool) or not isinstance(self.prompts, int) or self.prompts < 1:
+            raise ValueError(f"prompts must be an int >= 1 (prompt sets a cell cycles through), got {self.prompts!r}")
         if not self.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch_sizes must be ints >= 1, got {self.batch_sizes}")
         if not self.fixed_k or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.k_max
@@ -79,26 +90,31 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
         pairs_info[pair_name] = {"perturbation": pc.perturbation, "greedy_agreement": agreement, "kernels": kernels}
         progress(f"pair {pair_name}: greedy agreement {agreement:.0%}, mmspec kernels {kernels}")
         for B in config.batch_sizes:
-            ids, mask = _prompts(B, (12, 32), pc.vocab_size, seed=B)
-            gen = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=N, pad_token_id=0)
-            methods = {"plain": lambda: gen_model.generate(**gen)}
+            # Set 0 is the single-prompt bench's prompt; the others are further draws.
+            sets = [_prompts(B, (12, 32), pc.vocab_size, seed=B + 1000 * j) for j in range(config.prompts)]
+            gens = [dict(input_ids=i, attention_mask=m, do_sample=False, max_new_tokens=N, pad_token_id=0) for i, m in sets]
+            fns = {"plain": lambda j: gen_model.generate(**gens[j])}
             # mmspec's own plain decoding (no drafter) through the same target: what `auto` does
             # when it switches speculation off, so that the loop's cost and the controller's
             # choices can be told apart.
-            methods["mmspec plain"] = lambda: mmspec.speculative_generate(
-                t_wrap, NullDrafter(pc.vocab_size), ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
+            fns["mmspec plain"] = lambda j: mmspec.speculative_generate(
+                t_wrap, NullDrafter(pc.vocab_size), *sets[j], temperature=0, max_new_tokens=N, pad_token_id=0)
             drafters = {f"K={k}": ModelDrafter(drafter, k) for k in config.fixed_k}
             drafters["auto"] = ModelDrafter(drafter, "auto", max_draft_tokens=config.k_max)
             for name, d in drafters.items():
-                methods[name] = lambda d=d: mmspec.speculative_generate(
-                    t_wrap, d, ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0)
+                fns[name] = lambda j, d=d: mmspec.speculative_generate(
+                    t_wrap, d, *sets[j], temperature=0, max_new_tokens=N, pad_token_id=0)
             if B == 1:  # transformers' assisted generation, as shipped (its default schedule)
-                methods["assisted"] = lambda: target.generate(**gen, assistant_model=drafter)
-            progress(f"  batch {B}: {len(methods)} methods, interleaved, {config.repeats} rounds")
+                fns["assisted"] = lambda j: target.generate(**gens[j], assistant_model=drafter)
+            methods = {name: _cycling(fn, config.prompts) for name, fn in fns.items()}
+            progress(f"  batch {B}: {len(methods)} methods, interleaved, {config.repeats} rounds over "
+                     f"{config.prompts} prompt set{'s' if config.prompts > 1 else ''}")
             rounds: dict[str, list[float]] = {}
-            times, outs = _interleaved(methods, config.repeats, rounds)  # the warm-up round also trains auto
-            ref = outs["plain"]
-            tps = {name: B * N / t for name, t in times.items()}
+            _interleaved(methods, config.repeats, rounds)  # the warm-up round also trains auto
+            outs = {name: m.outs[(config.repeats) % config.prompts] for name, m in methods.items()}  # the last round's
+            seen = sorted({(r + 1) % config.prompts for r in range(config.repeats)})
+            times = {name: _workload_seconds(v, config.prompts) for name, v in rounds.items()}
+            tps = {name: B * N * len(seen) / t for name, t in times.items()}
             fixed = {name: tps[name] for name in drafters if name != "auto"}
             best = max(fixed, key=fixed.get)
             auto_stats = outs["auto"].stats
@@ -108,7 +124,9 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 "auto_vs_plain": round(tps["auto"] / tps["plain"], 3),
                 "auto_k_histogram": _histogram(auto_stats.nodes_per_step),
                 "auto_mean_accepted_length": round(auto_stats.mean_accepted_length, 3),
-                "identical_to_plain": all(torch.equal(outs[n].sequences, ref) for n in [*drafters, "mmspec plain"]),
+                "identical_to_plain": all(torch.equal(methods[n].outs[j].sequences, methods["plain"].outs[j])
+                                          for j in methods["plain"].outs for n in [*drafters, "mmspec plain"]),
+                "prompt_sets": len(seen),
                 "mmspec_plain_vs_plain": round(tps["mmspec plain"] / tps["plain"], 3),
                 "auto_vs_mmspec_plain": round(tps["auto"] / tps["mmspec plain"], 3),
                 "auto_vs_mmspec_plain_rounds": _paired(rounds, "auto", "mmspec plain"),
@@ -123,7 +141,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             row["auto_vs_mmspec_plain_ci90"] = _ratio_ci(row["auto_vs_mmspec_plain_rounds"])
             # The fastest of each method's rounds: what interference from the rest of the machine
             # (which only ever slows a run down) left untouched; a second, less noisy reading.
-            fast = {name: B * N / min(v) for name, v in rounds.items()}
+            fast = {name: B * N * len(seen) / _workload_seconds(v, config.prompts, min) for name, v in rounds.items()}
             best_fast = max((n for n in drafters if n != "auto"), key=fast.get)
             row["fastest_round"] = {
                 "tokens_per_s": {k: round(v, 1) for k, v in fast.items()}, "best_fixed": best_fast,
@@ -133,11 +151,35 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 row["auto_vs_best_fixed_split"] = _split_best(rounds, [n for n in drafters if n != "auto"])
             if "assisted" in tps:
                 row["auto_vs_assisted"] = round(tps["auto"] / tps["assisted"], 3)
-                row["assisted_identical"] = torch.equal(outs["assisted"], ref)
+                row["assisted_identical"] = all(torch.equal(methods["assisted"].outs[j], methods["plain"].outs[j])
+                                                for j in methods["plain"].outs)
             rows.append(row)
             progress("    " + format_row(row))
     info = {"device": "cpu", "threads": torch.get_num_threads(), "pairs": pairs_info}
     return {"info": info, "config": asdict(config), "rows": rows}
+
+
+def _cycling(fn, count: int):
+    """A zero-argument method for `_interleaved` whose i-th call runs `fn(i % count)` (the
+    warm-up call set 0, round r set r + 1), keeping the latest output per set in `.outs`."""
+    calls = [0]
+
+    def call():
+        j = calls[0] % count
+        calls[0] += 1
+        call.outs[j] = fn(j)
+        return call.outs[j]
+    call.outs = {}
+    return call
+
+
+def _workload_seconds(seconds: list[float], count: int, pick=statistics.median) -> float:
+    """A method's time for the workload: round r ran prompt set (r + 1) % count; the sum over
+    the sets seen of `pick` (median, or min for the fastest rounds) of the set's rounds."""
+    per_set: dict[int, list[float]] = {}
+    for r, t in enumerate(seconds):
+        per_set.setdefault((r + 1) % count, []).append(t)
+    return sum(pick(v) for v in per_set.values())
 
 
 def _paired(rounds: dict[str, list[float]], a: str, b: str) -> list[float]:
@@ -233,6 +275,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=None, help="timed rounds after the warm-up one (default 2)")
     p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--prompts", type=int, default=3,
+                   help="prompt sets each cell cycles through, one per round (default 3; 1: one prompt, as before)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the suite runs)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -248,7 +292,7 @@ def main(argv: list[str]) -> int:
     try:
         config = DraftLengthBench(pairs=tuple(a.pairs.split(",")), batch_sizes=a.batch_sizes, fixed_k=a.fixed_k,
                                   k_max=a.k_max, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-                                  threads=a.threads, pair=pair)
+                                  threads=a.threads, pair=pair, prompts=a.prompts)
     except ValueError as e:
         raise SystemExit(f"mmspec bench core: {e}") from None
     report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
