@@ -447,9 +447,11 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         if self._deferred:
             # K = 0: the pending pairs were not run; append (h_root, next) to each row's list.
             h = target_out.hidden_states[:, 0].to(self.pending_hidden.dtype)
-            P = max(self.pending_host) + 1 if self.pending_host else 1
-            toks = torch.cat([self.pending_tokens, n.new_zeros(B, P - self.pending_tokens.shape[1])], 1)
-            hid = torch.cat([self.pending_hidden, h.new_zeros(B, P - self.pending_hidden.shape[1], h.shape[-1])], 1)
+            # Room for one more pair per row. The lists may already be wider than that: rows that
+            # ended were dropped with the longest pending path (their width stays).
+            grow = max((max(self.pending_host) + 1 if self.pending_host else 1) - self.pending_tokens.shape[1], 0)
+            toks = torch.cat([self.pending_tokens, n.new_zeros(B, grow)], 1)
+            hid = torch.cat([self.pending_hidden, h.new_zeros(B, grow, h.shape[-1])], 1)
             toks[rows, self.pending_count] = info.next_tokens
             hid[rows, self.pending_count] = h
             self.pending_tokens, self.pending_hidden = toks, hid

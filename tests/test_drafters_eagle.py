@@ -298,6 +298,36 @@ def test_auto_draft_length_greedy_equals_generate(llava, kind, script):
     assert out.stats.nodes_per_step[: len(script)] == [script[i] for i in range(min(len(script), len(out.stats.nodes_per_step)))]
 
 
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_plain_step_after_the_row_with_the_longest_pending_path_ended(llava, kind):
+    """A drafting step leaves pending lists as wide as its longest accepted path; when that row
+    ends and is dropped, the next plain (K = 0) step appends to lists wider than the remaining
+    rows need (it raised "negative dimension" before: seen in CI, where the measured K choice
+    happened to take this path). The kept row's pending pair lands after its own ones."""
+    from mmspec.types import CommitInfo, TargetOutput
+
+    model, _ = llava
+    head_cls, drafter_cls = KINDS[kind]
+    torch.manual_seed(0)
+    head = head_cls(EagleHeadConfig.for_target(model, kind=kind)).double()
+    drafter = drafter_cls(model, head, "auto", max_draft_tokens=3)
+    H = model.config.text_config.hidden_size
+    # The state after select_rows kept the row whose path was 1 pair (the dropped one had 3).
+    drafter.pending_tokens = torch.tensor([[7, 8, 9]])
+    drafter.pending_hidden = torch.randn(1, 3, H, dtype=torch.float64)
+    old_hidden = drafter.pending_hidden[0, 0].clone()
+    drafter.pending_count, drafter.pending_host = torch.tensor([1]), [1]
+    drafter._deferred = True  # this step was plain
+    h = torch.randn(1, 1, H, dtype=torch.float64)
+    info = CommitInfo(path=torch.zeros(1, 1, dtype=torch.long), num_accepted=torch.tensor([0]),
+                      accepted_tokens=torch.zeros(1, 0, dtype=torch.long), next_tokens=torch.tensor([5]),
+                      num_accepted_list=[0])
+    drafter.commit(info, TargetOutput(logits=torch.zeros(1, 1, 4), hidden_states=h))
+    assert drafter.pending_tokens[0, :2].tolist() == [7, 5] and drafter.pending_host == [2]
+    assert drafter.pending_count.tolist() == [2]
+    assert torch.equal(drafter.pending_hidden[0, 0], old_hidden) and torch.equal(drafter.pending_hidden[0, 1], h[0, 0])
+
+
 def test_auto_draft_length_exact_sampling(llava):
     """Exact sampling with K switching between 0 and 2: the first three tokens follow the
     enumerated joint of plain sampling (chi-square) and a hotter joint is rejected."""
