@@ -10,8 +10,10 @@
 #             exact and relaxed CSpD and the fewer-steps rows; speed only): on the GPU a CSpD verify's
 #             prefix sequences are extra rows of one forward, on the CPU each costs a plain step,
 #   b4        `mmspec bench gpu` (Llama-2-7B shapes, random bf16 weights, forced acceptance, a fresh
-#             prompt per call) on text at batch 4; the auto row carries its controller's estimates, and a
-#             row of auto held at K = 5 tells whether the adaptive path itself costs per step,
+#             prompt per call) on text at batch 4; the auto row carries its controller's estimates, a
+#             row of auto held at K = 5 tells whether the adaptive path itself costs per step, and fixed
+#             K = 1 and 3 rows whether auto's choice was right (session 44's auto drafted K = 1-4 there,
+#             its estimates tying K = 1 with K = 5; ~85 s before those rows, ~120 s with them),
 #   b1        text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention choice,
 #   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
 # Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
@@ -76,7 +78,7 @@ fi
 
 if step b4; then
 echo "== bench gpu: text at batch 4 (auto's choice there: the auto row carries its controller's state) ($(left) s left)"
-bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 --no-attention-rows --pinned-auto-row \
+bounded $(( $(left) - 20 )) python3 -m mmspec.cli bench gpu --workloads text:4 --repeats 2 --no-attention-rows --pinned-auto-row --other-fixed-k 1,3 \
   --json "$OUT/bench_gpu_b4.json" 2>&1 | grep -v DEBUG | tee -a "$OUT/bench.log"
 fi
 

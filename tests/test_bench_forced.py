@@ -113,6 +113,24 @@ def test_gpu_bench_runs_on_a_tiny_shape_on_cpu():
     assert not report["skipped"]
 
 
+def test_gpu_bench_other_fixed_k_rows_run_the_same_forced_acceptance_at_their_k():
+    """`other_fixed_k` adds fixed-K rows beside the main one (is auto's choice the best K?): each
+    drafts its K a step (mean K 1 and 3 here, until the budget caps them) and accepts more per step
+    the longer its chain; only the main K's row is compared with the replay ideal (its forwards)."""
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 2),), max_new_tokens=24,
+                         repeats=1, other_fixed_k=(1, 3))
+    rows = {r["method"]: r for r in run(cfg, progress=lambda m: None)["rows"]}
+    assert {"mmspec K=1", "mmspec K=3", "mmspec K=5"} <= set(rows)
+    assert all(r["identical_to_generate"] for m, r in rows.items() if m.startswith("mmspec"))
+    assert 0.8 <= rows["mmspec K=1"]["mean_k"] <= 1.0 and 2.4 <= rows["mmspec K=3"]["mean_k"] <= 3.0
+    acc = [rows[f"mmspec K={k}"]["mean_accepted_length"] for k in (1, 3, 5)]
+    assert acc[0] < acc[1] < acc[2] and acc[0] <= 2.0
+    assert "efficiency" in rows["mmspec K=5"] and "efficiency" not in rows["mmspec K=1"]
+    for bad in ((5,), (0,), (2, 2)):
+        with pytest.raises(ValueError, match="other_fixed_k must be distinct ints"):
+            GpuBenchConfig(shape="tiny", device="cpu", other_fixed_k=bad)
+
+
 def test_gpu_bench_refuses_unknown_options():
     with pytest.raises(ValueError, match="shape"):
         GpuBenchConfig(shape="llama-70b", device="cpu")

@@ -90,6 +90,7 @@ class GpuBenchConfig:
     fresh_prompts: bool = True  # a new prompt (length, script) per call: no call replays another's shapes
     attention_rows: bool = True  # CUDA: fixed K and auto also with attention="torch"
     pinned_auto: bool = False  # a diagnostic row: the adaptive drafter with its controller held at K
+    other_fixed_k: tuple[int, ...] = ()  # more fixed-K rows beside num_draft_tokens' (is auto's choice right?)
     deadline_s: float | None = None
     seed: int = 0
 
@@ -112,6 +113,11 @@ class GpuBenchConfig:
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         if min(self.repeats, self.max_new_tokens, self.num_draft_tokens, self.drafter_layers) < 1:
             raise ValueError("repeats, max_new_tokens, num_draft_tokens and drafter_layers must be >= 1")
+        bad = [k for k in self.other_fixed_k if isinstance(k, bool) or not isinstance(k, int) or k < 1
+               or k == self.num_draft_tokens]
+        if bad or len(set(self.other_fixed_k)) != len(self.other_fixed_k):
+            raise ValueError(f"other_fixed_k must be distinct ints >= 1 other than num_draft_tokens="
+                             f"{self.num_draft_tokens}, got {self.other_fixed_k}")
 
 
 def build_models(config: GpuBenchConfig):
@@ -229,7 +235,7 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
         return context([SDPBackend.MATH] if cuda and config.fresh_prompts else None)
     with torch.no_grad(), untimed():
         refs = [target.generate(**g) for g in gens]
-    scripts = [scripted_tokens(ref[:, i.shape[1]:], config.alpha, V, extra=max(config.max_draft_tokens, K) + 2,
+    scripts = [scripted_tokens(ref[:, i.shape[1]:], config.alpha, V, extra=max(config.max_draft_tokens, K, *config.other_fixed_k) + 2,
                                seed=config.seed + p) for p, (ref, (i, _)) in enumerate(zip(refs, prompts))]
     tgt = HFTarget(target)  # built once, reused by every call (the wrap is paid once)
     drafters = {"fixed": ModelDrafter(drafter, K), "auto": ModelDrafter(drafter, "auto", max_draft_tokens=config.max_draft_tokens)}
@@ -244,6 +250,10 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
         f"mmspec K={K}": spec(tgt, lambda p: ForcedDrafter(drafters["fixed"], scripts[p])),
         "mmspec auto": spec(tgt, lambda p: ForcedDrafter(drafters["auto"], scripts[p])),
     }
+    others = [f"mmspec K={k}" for k in config.other_fixed_k]
+    for k in config.other_fixed_k:  # the same forced acceptance at other draft lengths
+        other = ModelDrafter(drafter, k)
+        methods[f"mmspec K={k}"] = spec(tgt, lambda p, other=other: ForcedDrafter(other, scripts[p]))
     if cuda and config.attention_rows:
         # torch's own attention-backend choice, beside mmspec's measured one (mmspec/attention_choice.py)
         t_t = HFTarget(target, attention="torch")
@@ -306,7 +316,7 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
                 row["verify_forwards"] = stats.target_calls
                 if method == "mmspec auto":
                     row["controller"] = controller_state(drafters["auto"].controller, B, N)
-                if "auto" not in method:
+                if "auto" not in method and method not in others:  # rows at K: the replay ideal is K's forwards
                     row["expected_accepted_length"] = round(expected_length(config.alpha, K), 3)
                     row["efficiency"] = round(times["ideal"] / t, 3)
         rows.append(row)
@@ -412,6 +422,8 @@ def main(argv: list[str]) -> int:
                    help="skip the rows that run with attention='torch' (torch's own backend choice)")
     p.add_argument("--pinned-auto-row", action="store_true",
                    help="a diagnostic row: the adaptive drafter held at the fixed row's K (does its path cost per step?)")
+    p.add_argument("--other-fixed-k", default="",
+                   help="comma-separated draft lengths for more fixed-K rows (e.g. 1,3): is auto's choice the best K?")
     p.add_argument("--deadline-s", type=float, default=None, help="start no workload after this many seconds")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -423,7 +435,8 @@ def main(argv: list[str]) -> int:
                                 repeats=a.repeats, compile=a.compile, deadline_s=a.deadline_s,
                                 stable_greedy=not a.plain_random,
                                 cudnn_attention=not a.no_cudnn_attention, fresh_prompts=not a.same_prompt,
-                                attention_rows=not a.no_attention_rows, pinned_auto=a.pinned_auto_row, **kw)
+                                attention_rows=not a.no_attention_rows, pinned_auto=a.pinned_auto_row,
+                                other_fixed_k=tuple(int(k) for k in a.other_fixed_k.split(",") if k), **kw)
     except (ValueError, IndexError) as e:
         raise SystemExit(f"mmspec bench gpu: {e}") from None
 
