@@ -13,7 +13,7 @@
 #             prompt per call) on text at batch 4; the auto row carries its controller's estimates, a
 #             row of auto held at K = 5 tells whether the adaptive path itself costs per step, and fixed
 #             K = 1 and 3 rows whether auto's choice was right (session 44's auto drafted K = 1-4 there,
-#             its estimates tying K = 1 with K = 5; ~85 s before those rows, ~120 s with them),
+#             its estimates tying K = 1 with K = 5; the step took ~85 s before those two rows were added),
 #   b1        text and LLaVA-shaped prompts at batch 1 with mmspec's and torch's attention choice,
 #   and with SDPA_PROBE=1 the per-backend cost of attention on never-seen shapes.
 # Usage (repository root): [STEPS=tests,vlm,...] bash benchmarks/gpu_check.sh OUTDIR [SECONDS]
