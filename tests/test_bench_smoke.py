@@ -43,7 +43,8 @@ def test_bench_core_smoke(tmp_path):
 def test_bench_core_cells_cycle_prompt_sets_alike_for_every_method():
     """Round r runs prompt set (r + 1) mod n for every method (the warm-up call set 0); a
     method's time is the sum over the sets seen of its median seconds there (worked by hand)."""
-    from mmspec.bench.draft_length import DraftLengthBench, _cycling, _workload_seconds
+    from mmspec.bench.core import _cycling
+    from mmspec.bench.draft_length import DraftLengthBench, _workload_seconds
 
     seen = []
     m = _cycling(lambda j: seen.append(j) or f"out{j}", 3)

@@ -66,6 +66,21 @@ def _interleaved(methods: dict, repeats: int, samples: dict | None = None):
     return {name: statistics.median(v) for name, v in rounds.items()}, outs
 
 
+def _cycling(fn, count: int):
+    """A zero-argument method for `_interleaved` whose i-th call runs `fn(i % count)` and returns
+    (i % count, output): the warm-up call gets prompt set 0 and round r set r + 1, for every
+    method alike. The latest output per set is kept in `.outs`."""
+    calls = [0]
+
+    def call():
+        j = calls[0] % count
+        calls[0] += 1
+        call.outs[j] = fn(j)
+        return j, call.outs[j]
+    call.outs = {}
+    return call
+
+
 def _prompts(batch: int, lengths: tuple[int, int], vocab: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lengths[0], lengths[1] + 1, (batch,), generator=g).tolist()

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mmspec.bench.core import _interleaved, _prompts
+from mmspec.bench.core import _cycling, _interleaved, _prompts
 from mmspec.bench.pair import PairConfig, build_pair, greedy_agreement
 from mmspec.cli_types import positive_int
 
@@ -111,10 +111,10 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                      f"{config.prompts} prompt set{'s' if config.prompts > 1 else ''}")
             rounds: dict[str, list[float]] = {}
             _interleaved(methods, config.repeats, rounds)  # the warm-up round also trains auto
-            outs = {name: m.outs[(config.repeats) % config.prompts] for name, m in methods.items()}  # the last round's
-            seen = sorted({(r + 1) % config.prompts for r in range(config.repeats)})
+            outs = {name: m.outs[config.repeats % config.prompts] for name, m in methods.items()}  # the last round's
+            timed_sets = min(config.repeats, config.prompts)  # sets 1, 2, ... (mod prompts) the rounds ran
             times = {name: _workload_seconds(v, config.prompts) for name, v in rounds.items()}
-            tps = {name: B * N * len(seen) / t for name, t in times.items()}
+            tps = {name: B * N * timed_sets / t for name, t in times.items()}
             fixed = {name: tps[name] for name in drafters if name != "auto"}
             best = max(fixed, key=fixed.get)
             auto_stats = outs["auto"].stats
@@ -126,7 +126,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 "auto_mean_accepted_length": round(auto_stats.mean_accepted_length, 3),
                 "identical_to_plain": all(torch.equal(methods[n].outs[j].sequences, methods["plain"].outs[j])
                                           for j in methods["plain"].outs for n in [*drafters, "mmspec plain"]),
-                "prompt_sets": len(seen),
+                "prompt_sets": timed_sets,
                 "mmspec_plain_vs_plain": round(tps["mmspec plain"] / tps["plain"], 3),
                 "auto_vs_mmspec_plain": round(tps["auto"] / tps["mmspec plain"], 3),
                 "auto_vs_mmspec_plain_rounds": _paired(rounds, "auto", "mmspec plain"),
@@ -141,7 +141,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             row["auto_vs_mmspec_plain_ci90"] = _ratio_ci(row["auto_vs_mmspec_plain_rounds"])
             # The fastest of each method's rounds: what interference from the rest of the machine
             # (which only ever slows a run down) left untouched; a second, less noisy reading.
-            fast = {name: B * N * len(seen) / _workload_seconds(v, config.prompts, min) for name, v in rounds.items()}
+            fast = {name: B * N * timed_sets / _workload_seconds(v, config.prompts, min) for name, v in rounds.items()}
             best_fast = max((n for n in drafters if n != "auto"), key=fast.get)
             row["fastest_round"] = {
                 "tokens_per_s": {k: round(v, 1) for k, v in fast.items()}, "best_fixed": best_fast,
@@ -157,20 +157,6 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             progress("    " + format_row(row))
     info = {"device": "cpu", "threads": torch.get_num_threads(), "pairs": pairs_info}
     return {"info": info, "config": asdict(config), "rows": rows}
-
-
-def _cycling(fn, count: int):
-    """A zero-argument method for `_interleaved` whose i-th call runs `fn(i % count)` (the
-    warm-up call set 0, round r set r + 1), keeping the latest output per set in `.outs`."""
-    calls = [0]
-
-    def call():
-        j = calls[0] % count
-        calls[0] += 1
-        call.outs[j] = fn(j)
-        return call.outs[j]
-    call.outs = {}
-    return call
 
 
 def _workload_seconds(seconds: list[float], count: int, pick=statistics.median) -> float:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mmspec.bench.report import save
-from mmspec.bench.core import _interleaved, _prompts, _record_forwards, _replay
+from mmspec.bench.core import _cycling, _interleaved, _prompts, _record_forwards, _replay
 from mmspec.devices import check_device, device_name
 
 SHAPES = {
@@ -176,18 +176,6 @@ def _prompt_set(B: int, lengths: tuple[int, int], vocab: int, seed: int, count: 
         lens = (torch.randperm(span, generator=g)[:count] + lengths[0]).tolist()
         return [_prompts(1, (n, n), vocab, seed=seed + 1 + i) for i, n in enumerate(lens)]
     return [_prompts(B, lengths, vocab, seed=seed + 7919 * i) for i in range(count)]
-
-
-def _cycling(fn, count: int):
-    """A zero-argument method for `_interleaved` whose i-th call runs `fn(i % count)`: with
-    fresh prompts the warm-up call gets prompt 0 and round r prompt r, for every method alike."""
-    calls = [0]
-
-    def call():
-        p = calls[0] % count
-        calls[0] += 1
-        return p, fn(p)
-    return call
 
 
 def controller_state(c, batch: int, new_tokens: int) -> dict:
@@ -428,6 +416,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     try:
+        other_fixed_k = tuple(int(k) for k in a.other_fixed_k.split(",") if k.strip())
+    except ValueError:
+        raise SystemExit(f"mmspec bench gpu: --other-fixed-k must be comma-separated ints, got {a.other_fixed_k!r}") from None
+    try:
         workloads = tuple((w.split(":")[0], int(w.split(":")[1])) for w in a.workloads.split(","))
         kw = {} if a.alpha is None else {"alpha": a.alpha}
         config = GpuBenchConfig(shape=a.shape, device=a.device, dtype=a.dtype, workloads=workloads,
@@ -436,7 +428,7 @@ def main(argv: list[str]) -> int:
                                 stable_greedy=not a.plain_random,
                                 cudnn_attention=not a.no_cudnn_attention, fresh_prompts=not a.same_prompt,
                                 attention_rows=not a.no_attention_rows, pinned_auto=a.pinned_auto_row,
-                                other_fixed_k=tuple(int(k) for k in a.other_fixed_k.split(",") if k), **kw)
+                                other_fixed_k=other_fixed_k, **kw)
     except (ValueError, IndexError) as e:
         raise SystemExit(f"mmspec bench gpu: {e}") from None
 
