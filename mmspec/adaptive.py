@@ -231,8 +231,7 @@ class DraftLengthController:
         self.relax = 0.97  # per plain step
         self.verify = _LinearCost(decay)
         self.draft = _LinearCost(decay)
-        k0 = min(3, k_max)
-        # Two draft lengths give the cost lines two points; everything after is chosen.
+        k0 = min(3, k_max)  # two draft lengths give the cost lines two points; the rest is chosen
         self.warmup = list(warmup if warmup is not None else (k0, min(1, k_max), k0))
         if not isinstance(probe_every, int) or probe_every < 0:
             raise ValueError(f"probe_every must be an int >= 0 (0: never probe), got {probe_every!r}")
@@ -490,6 +489,7 @@ class DraftLengthController:
             self.between_requests += 1
         self._row_counts = {}
         self._req_step = 0
+        self._plain_batch = None  # rank afresh: the last request's final plain steps say nothing of this one
 
     def _row_spread(self, min_tried: int = 4) -> float | None:
         """Method of moments over the rows of one request: the variance of the per-row acceptance

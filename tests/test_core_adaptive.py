@@ -215,6 +215,32 @@ def test_plain_stretches_are_re_ranked_every_few_steps_only(monkeypatch):
     assert sum(k == 0 for k in ctrl.history[-80:]) >= 80 - 2 * probed  # and stays plain
 
 
+def test_a_request_that_ended_plain_does_not_start_the_next_one_plain():
+    """The last steps of a request are plain when one token is left (a draft past the budget is
+    never emitted); the next request's budgets are whole again, so its first step drafts. Before,
+    the re-ranking shortcut of plain stretches kept K = 0 for the first 3 steps of every request
+    (seen on the 69% bench pair at batch 1: every request after the first began 0, 0, 0)."""
+    ctrl = DraftLengthController(8)
+    g = torch.Generator().manual_seed(0)
+    ended_plain, checked = False, 0
+    for request in range(24):
+        ctrl.begin_request()
+        left, ks = 48, []
+        while left > 0:
+            k = ctrl.choose(1, [left])
+            ks.append(k)
+            n = 0
+            while n < k and torch.rand(1, generator=g).item() < 0.8:
+                n += 1
+            ctrl.observe(1, k, [n], 0.0005 * k, flat_verify(1, k + 1), rows=[0])
+            left -= min(n + 1, left)
+        if ended_plain:
+            assert ks[0] > 0 and ks[1] > 0, ks  # the request after one that ended plain drafts at once
+            checked += 1
+        ended_plain = ks[-1] == 0  # (one token was left: only a plain step makes sense)
+    assert checked >= 3
+
+
 def test_a_burst_of_rejections_does_not_keep_speculation_off():
     """Batch 4, acceptance 0.7 where K > 0 clearly pays, then 12 steps where every draft is
     rejected (the loop goes plain within a few), then 0.7 again. While plain, no draft is judged,
