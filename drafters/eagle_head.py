@@ -339,6 +339,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self._stop = ChainStop()
         self._deferred = False  # this step drafts nothing (K = 0): the head's catch-up waits
         self._after_plain = False  # the next drafting step catches up on the pairs of plain steps
+        self._plain_pairs: list = []  # (next token, feature) of plain steps, appended at the next catch-up
         self.draft_calls = 0
 
     def set_stop_tokens(self, token_ids) -> None:
@@ -386,6 +387,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self._shift_max = None  # host bound of pos_shift, set by _prefill_head
         self._deferred = False
         self._after_plain = False
+        self._plain_pairs = []
         self.draft_calls = 0
         if isinstance(self.controller, WindowBandit):  # per-request choice (trees): a request begins
             self.controller.begin_request()
@@ -441,23 +443,16 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
     def commit(self, info: CommitInfo, target_out: TargetOutput) -> None:
         """The next catch-up runs the pairs (target feature, token) of the accepted path and the
         new root: (h_root, a_1), ..., (h_{a_n}, next)."""
+        if self._deferred:
+            # K = 0: the pending pairs were not run; (h_root, next) joins each row's list at the
+            # next catch-up (`_flush`: one scatter for a stretch of plain steps, no per-step copy
+            # of the growing lists, so a plain step costs what plain decoding does). The feature
+            # is copied: a static-shape target may reuse its output buffer at the next forward.
+            self._plain_pairs.append((info.next_tokens, target_out.hidden_states[:, 0].clone()))
+            return
         n, n_host = info.num_accepted, info.num_accepted_list
         B = n.shape[0]
         rows = torch.arange(B, device=n.device)
-        if self._deferred:
-            # K = 0: the pending pairs were not run; append (h_root, next) to each row's list.
-            h = target_out.hidden_states[:, 0].to(self.pending_hidden.dtype)
-            # Room for one more pair per row. The lists may already be wider than that: rows that
-            # ended were dropped with the longest pending path (their width stays).
-            grow = max((max(self.pending_host) + 1 if self.pending_host else 1) - self.pending_tokens.shape[1], 0)
-            toks = torch.cat([self.pending_tokens, n.new_zeros(B, grow)], 1)
-            hid = torch.cat([self.pending_hidden, h.new_zeros(B, grow, h.shape[-1])], 1)
-            toks[rows, self.pending_count] = info.next_tokens
-            hid[rows, self.pending_count] = h
-            self.pending_tokens, self.pending_hidden = toks, hid
-            self.pending_count = self.pending_count + 1
-            self.pending_host = [c + 1 for c in self.pending_host]
-            return
         width = (max(n_host) if n_host else 0) + 1
         toks = torch.cat([info.accepted_tokens[:, : width - 1].clamp_min(0), n.new_zeros(B, 1)], 1)
         toks[rows, n] = info.next_tokens
@@ -472,6 +467,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
             ids, mask, hidden, embeds = self._prompt
             self._prompt = (ids[rows], mask[rows], hidden[rows], embeds[rows])
             return
+        self._flush()
         self.kv.select_rows(rows, rows_host)
         self.pos_shift = self.pos_shift.index_select(0, rows)
         self._select_state(rows)
@@ -519,7 +515,30 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         bound = None if self._shift_max is None else self.kv.kv_len - 1 + self._shift_max
         return self.head.decode(x, attention.q_pos + self.pos_shift.unsqueeze(1), visible, self.kv, bound)
 
+    def _flush(self) -> None:
+        """Append the plain steps' pairs to each row's pending list, after its own pending pairs
+        (the lists may be wider than a row needs: rows that ended were dropped with the longest
+        pending path, and their width stays)."""
+        if not self._plain_pairs:
+            return
+        m = len(self._plain_pairs)
+        new_toks = torch.stack([t for t, _ in self._plain_pairs], 1)  # [B, m]
+        new_hid = torch.stack([h for _, h in self._plain_pairs], 1).to(self.pending_hidden.dtype)  # [B, m, H]
+        self._plain_pairs = []
+        B, H = new_toks.shape[0], new_hid.shape[-1]
+        grow = max((max(self.pending_host) if self.pending_host else 0) + m - self.pending_tokens.shape[1], 0)
+        toks = torch.cat([self.pending_tokens, new_toks.new_zeros(B, grow)], 1)
+        hid = torch.cat([self.pending_hidden, new_hid.new_zeros(B, grow, H)], 1)
+        idx = self.pending_count.unsqueeze(1) + torch.arange(m, device=new_toks.device)  # [B, m]
+        rows = torch.arange(B, device=new_toks.device).unsqueeze(1)
+        toks[rows, idx] = new_toks
+        hid[rows, idx] = new_hid  # (an index put: 4x faster than scatter_ with an expanded index on CPU)
+        self.pending_tokens, self.pending_hidden = toks, hid
+        self.pending_count = self.pending_count + m
+        self.pending_host = [c + m for c in self.pending_host]
+
     def _catch_up(self, roots):
+        self._flush()
         B, P = self.pending_tokens.shape
         rows = torch.arange(B, device=roots.device)
         tokens = self.pending_tokens.clone()

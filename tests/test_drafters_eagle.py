@@ -317,15 +317,49 @@ def test_plain_step_after_the_row_with_the_longest_pending_path_ended(llava, kin
     drafter.pending_hidden = torch.randn(1, 3, H, dtype=torch.float64)
     old_hidden = drafter.pending_hidden[0, 0].clone()
     drafter.pending_count, drafter.pending_host = torch.tensor([1]), [1]
-    drafter._deferred = True  # this step was plain
-    h = torch.randn(1, 1, H, dtype=torch.float64)
-    info = CommitInfo(path=torch.zeros(1, 1, dtype=torch.long), num_accepted=torch.tensor([0]),
-                      accepted_tokens=torch.zeros(1, 0, dtype=torch.long), next_tokens=torch.tensor([5]),
-                      num_accepted_list=[0])
-    drafter.commit(info, TargetOutput(logits=torch.zeros(1, 1, 4), hidden_states=h))
-    assert drafter.pending_tokens[0, :2].tolist() == [7, 5] and drafter.pending_host == [2]
-    assert drafter.pending_count.tolist() == [2]
-    assert torch.equal(drafter.pending_hidden[0, 0], old_hidden) and torch.equal(drafter.pending_hidden[0, 1], h[0, 0])
+    drafter._deferred = True  # these steps were plain
+    hs = torch.randn(3, 1, 1, H, dtype=torch.float64)
+    for j, token in enumerate((5, 6, 4)):  # three plain steps: kept aside, appended at once
+        info = CommitInfo(path=torch.zeros(1, 1, dtype=torch.long), num_accepted=torch.tensor([0]),
+                          accepted_tokens=torch.zeros(1, 0, dtype=torch.long), next_tokens=torch.tensor([token]),
+                          num_accepted_list=[0])
+        drafter.commit(info, TargetOutput(logits=torch.zeros(1, 1, 4), hidden_states=hs[j]))
+    drafter._flush()  # (the next catch-up or row drop does this)
+    assert drafter.pending_tokens[0, :4].tolist() == [7, 5, 6, 4] and drafter.pending_host == [4]
+    assert drafter.pending_count.tolist() == [4]
+    assert torch.equal(drafter.pending_hidden[0, 0], old_hidden)
+    assert torch.equal(drafter.pending_hidden[0, 1:4], hs[:, 0, 0])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_plain_steps_land_after_each_rows_own_pending_pairs(llava, kind):
+    """Rows with ragged pending lists (1 and 3 pairs) then two plain steps: each row's plain
+    pairs follow its own pending ones, in step order, as the catch-up will run them."""
+    from mmspec.types import CommitInfo, TargetOutput
+
+    model, _ = llava
+    head_cls, drafter_cls = KINDS[kind]
+    torch.manual_seed(0)
+    drafter = drafter_cls(model, head_cls(EagleHeadConfig.for_target(model, kind=kind)).double(), "auto",
+                          max_draft_tokens=3)
+    H = model.config.text_config.hidden_size
+    drafter.pending_tokens = torch.tensor([[7, 0, 0], [7, 8, 9]])
+    drafter.pending_hidden = torch.randn(2, 3, H, dtype=torch.float64)
+    before = drafter.pending_hidden.clone()
+    drafter.pending_count, drafter.pending_host = torch.tensor([1, 3]), [1, 3]
+    drafter._deferred = True
+    hs = torch.randn(2, 2, 1, H, dtype=torch.float64)  # [step, row, 1, H]
+    for j, tokens in enumerate(([5, 6], [4, 3])):
+        info = CommitInfo(path=torch.zeros(2, 1, dtype=torch.long), num_accepted=torch.tensor([0, 0]),
+                          accepted_tokens=torch.zeros(2, 0, dtype=torch.long), next_tokens=torch.tensor(tokens),
+                          num_accepted_list=[0, 0])
+        drafter.commit(info, TargetOutput(logits=torch.zeros(2, 1, 4), hidden_states=hs[j]))
+    drafter._flush()
+    assert drafter.pending_count.tolist() == [3, 5] and drafter.pending_host == [3, 5]
+    assert drafter.pending_tokens[0, :3].tolist() == [7, 5, 4] and drafter.pending_tokens[1, :5].tolist() == [7, 8, 9, 6, 3]
+    hid = drafter.pending_hidden
+    assert torch.equal(hid[0, 0], before[0, 0]) and torch.equal(hid[1, :3], before[1])
+    assert torch.equal(hid[0, 1:3], hs[:, 0, 0]) and torch.equal(hid[1, 3:5], hs[:, 1, 0])
 
 
 def test_auto_draft_length_exact_sampling(llava):
