@@ -38,11 +38,14 @@ Model (per step, B active rows, K drafts per row):
   models: benchmarks/auto_sim.py, docs/architecture.md).
 - `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
   (the plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half,
-  except a much cheaper second reading while one-time costs are undecided: see `_LinearCost`)
+  except a much cheaper second reading while one-time costs are undecided: see `mmspec/step_costs.py`)
   (an observation above 1.5x its key's mean counts as 1.5x: interference only slows steps down),
   otherwise a least-squares line in the number of tokens processed (B * Q for verify, B * K
   for drafting) fitted to every observation so far, so a batch size seen for the first time
-  still gets an estimate. K = 0 is plain decoding (the drafter does no work that step).
+  still gets an estimate. A key read fewer than 1 / (1 - decay) times is weighed against the
+  line through the other keys of its row count (as two readings): it is read again only when
+  chosen or probed, so one noisy reading would otherwise steer rankings for long.
+  K = 0 is plain decoding (the drafter does no work that step).
 - Switching speculation on must pay by a margin (`min_gain`, 4% by default): K > 0 is chosen
   over K = 0 only when its estimated rate beats plain decoding's by that much. Batched
   speculation has costs a per-step model does not see (rows drift apart, so later steps lose
@@ -85,111 +88,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from mmspec.step_costs import StepCosts
+
 
 _SQRT2, _SQRT2PI = math.sqrt(2.0), math.sqrt(2.0 * math.pi)
-
-
-class _LinearCost:
-    """seconds ~ c0 + c1 * tokens, a least-squares line kept as discounted running sums (O(1)
-    per step, no history kept); plus running means for each observed key, which are
-    preferred when present.
-
-    First observations are provisional where this machine shows one-time costs. A shape's first
-    run may pay work its later runs do not (on the H100 of session 30 keys seen once cost
-    30-160% more than repeated ones: kernel and plan selection, allocator growth), and a shape
-    that looks dear is rarely chosen again: `auto` stayed at K = 3 where K = 5-8 ran faster. On
-    a CPU a first run costs what later ones do, and treating it as provisional there cost ~2%.
-    So it is measured: every key's first reading is compared with its second, and once two keys
-    have shown it and their geometric-mean ratio is above `one_time_ratio`, (1) a cheaper second
-    observation replaces the first instead of being averaged with it, and (2) while a key has
-    been seen once, its estimate is at most what the line through repeated observations (of
-    other keys) predicts for it, so it is tried once more before it is trusted.
-    """
-
-    # An observation counts at most this many times the running mean of its key: the rest of
-    # the machine only ever slows a step down (another process, a page fault, a timer), and one
-    # such outlier would otherwise move the estimate by (1 - decay) x its size. A lasting rise
-    # still comes through, by up to 50% x (1 - decay) per step.
-    clip = 1.5
-    one_time_ratio = 1.2  # first / second reading (geometric mean over keys) that marks one-time costs
-
-    def __init__(self, decay: float):
-        self.decay = decay
-        self.means: dict = {}
-        self.counts: dict = {}  # observations per key
-        # Least-squares sums (weight, sum x, sum y, sum xx, sum xy; discounted): over every
-        # observation (the estimate of keys never seen) and over repeat observations only.
-        self.sums = [0.0] * 5
-        self.repeat_sums = [0.0] * 5
-        self._lines: dict = {}
-        self._first_log_ratios = [0.0, 0]  # sum of log(first / second) over keys seen twice, count
-
-    def first_reading_ratio(self) -> tuple[int, float | None]:
-        """(keys seen twice, geometric mean of their first / second reading; None before any)."""
-        total, n = self._first_log_ratios
-        return n, (math.exp(total / n) if n else None)
-
-    @property
-    def one_time_costs(self) -> bool:
-        """Whether first readings run dear on this machine (measured: see the class docstring)."""
-        n, ratio = self.first_reading_ratio()
-        return n >= 2 and ratio > self.one_time_ratio
-
-    def observe(self, key, tokens: float, seconds: float) -> None:
-        old = self.means.get(key)
-        n = self.counts.get(key, 0)
-        if n == 1 and old > 0 and seconds > 0:
-            self._first_log_ratios[0] += math.log(old / seconds)
-            self._first_log_ratios[1] += 1
-        if old is None or (n == 1 and seconds < old and self.one_time_costs):
-            self.means[key] = seconds
-        else:
-            # The plain average of a key's readings until it has 1 / (1 - decay) of them, then a
-            # running mean: at a fixed 1 - decay a key's second reading weighed 10%, so one
-            # noisy first reading of a shape the controller then avoided (chosen only at probes,
-            # every 16-64 steps or rarer) kept its estimate off for hundreds of steps.
-            # A second reading that is much cheaper than the first, before the machine is known
-            # to have one-time costs or not, keeps the old weight: that is their signature.
-            w = max(1.0 / (n + 1), 1.0 - self.decay)
-            if n == 1 and old > self.one_time_ratio * seconds and self.first_reading_ratio()[0] < 2:
-                w = 1.0 - self.decay  # a first reading that may carry one-time costs: undecided yet
-            self.means[key] = (1.0 - w) * old + w * min(seconds, self.clip * old)
-        self.counts[key] = n + 1
-        g = 0.99  # the lines forget slowly: they only fill in shapes not (or once) seen
-        for sums in (self.sums, self.repeat_sums) if n else (self.sums,):
-            w, sx, sy, sxx, sxy = (v * g for v in sums)
-            sums[:] = [w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds]
-        self._lines = {}
-
-    def line(self, repeats: bool = False) -> tuple[float, float, float] | None:
-        """(mean seconds, slope >= 0, mean tokens) of the fit, or None before any observation."""
-        if repeats not in self._lines:
-            w, sx, sy, sxx, sxy = self.repeat_sums if repeats else self.sums
-            fit = None
-            if w > 0:
-                mx, my = sx / w, sy / w
-                var = sxx / w - mx * mx
-                slope = (sxy / w - mx * my) / var if var > 1e-12 else 0.0
-                fit = (my, max(slope, 0.0), mx)  # more tokens never cost less
-            self._lines[repeats] = fit
-        return self._lines[repeats]
-
-    def _predict(self, tokens: float, repeats: bool = False) -> float | None:
-        line = self.line(repeats)
-        if line is None:
-            return None
-        my, slope, mx = line
-        return max(my + slope * (tokens - mx), 0.0)
-
-    def estimate(self, key, tokens: float) -> float | None:
-        mean = self.means.get(key)
-        if mean is None:
-            return self._predict(tokens)
-        if self.counts[key] == 1 and self.one_time_costs:
-            again = self._predict(tokens, repeats=True)
-            if again is not None:
-                return min(mean, again)
-        return mean
 
 
 class DraftLengthController:
@@ -229,8 +131,8 @@ class DraftLengthController:
         self.acc_long = [0.0] * k_max
         self.tried_long = [0.0] * k_max
         self.relax = 0.97  # per plain step
-        self.verify = _LinearCost(decay)
-        self.draft = _LinearCost(decay)
+        self.verify = StepCosts(decay)
+        self.draft = StepCosts(decay)
         k0 = min(3, k_max)  # two draft lengths give the cost lines two points; the rest is chosen
         self.warmup = list(warmup if warmup is not None else (k0, min(1, k_max), k0))
         if not isinstance(probe_every, int) or probe_every < 0:
