@@ -115,10 +115,6 @@ class StepCosts:
         if mean is None:
             return self._predict(tokens)
         n = self.counts[key]
-        if n == 1 and self.one_time_costs:
-            again = self._predict(tokens, repeats=True)
-            if again is not None:
-                mean = min(mean, again)
         if n < self.shrink_below:
             near = self._neighbours(key)
             if near is not None and near > 0:
@@ -126,7 +122,11 @@ class StepCosts:
                 # is read again only when chosen or probed, so that noise decides rankings for
                 # long: weigh it against the line through the other shapes of its row count, as
                 # `prior_readings` readings.
-                return (n * mean + self.prior_readings * near) / (n + self.prior_readings)
+                mean = (n * mean + self.prior_readings * near) / (n + self.prior_readings)
+        if n == 1 and self.one_time_costs:  # (after the blend: its neighbours may be once-seen too)
+            again = self._predict(tokens, repeats=True)
+            if again is not None:
+                mean = min(mean, again)
         return mean
 
     def _neighbours(self, key) -> float | None:
@@ -136,15 +136,21 @@ class StepCosts:
         if not (isinstance(key, tuple) and len(key) == 2):
             return None
         group, x = key
-        sums = self._group_sums.get(group)
-        if sums is None:
-            sums = [0.0] * 6  # readings, keys, sum c x, sum c y, sum c x x, sum c x y
+        if not self._group_sums:  # every row count's sums in one pass over the keys (once per reading)
+            groups = self._group_sums
             for k, m in self.means.items():
-                if isinstance(k, tuple) and len(k) == 2 and k[0] == group:
+                if isinstance(k, tuple) and len(k) == 2:
                     c, q = self.counts[k], k[1]
-                    for i, v in enumerate((c, 1, c * q, c * m, c * q * q, c * q * m)):
-                        sums[i] += v
-            self._group_sums[group] = sums
+                    sums = groups.get(k[0])
+                    if sums is None:
+                        sums = groups[k[0]] = [0.0] * 6  # readings, keys, sum c x, c y, c x x, c x y
+                    sums[0] += c
+                    sums[1] += 1
+                    sums[2] += c * q
+                    sums[3] += c * m
+                    sums[4] += c * q * q
+                    sums[5] += c * q * m
+        sums = self._group_sums[group]
         c, m = self.counts[key], self.means[key]
         w, keys, sx, sy, sxx, sxy = (a - b for a, b in zip(sums, (c, 1, c * x, c * m, c * x * x, c * x * m)))
         if keys < 2 or w <= 0:

@@ -474,7 +474,7 @@ def test_a_rarely_read_shape_is_weighed_against_its_row_counts_line():
     when chosen or probed: its estimate is its mean weighed against the line through the other
     keys of the same row count, as two readings, until it has 1 / (1 - decay) readings of its own.
     Replayed without the models (benchmarks/auto_sim.py, session-41 tables, 28 seeds x 12 cells,
-    10% step noise), runs below 0.95x the best fixed K went 25 -> 11 of 336."""
+    10% step noise), runs below 0.95x the best fixed K went 25 -> 13 of 336."""
     from mmspec.step_costs import StepCosts
 
     c = StepCosts(0.9)
@@ -491,6 +491,25 @@ def test_a_rarely_read_shape_is_weighed_against_its_row_counts_line():
     assert c.estimate((8, 2), 16) == 0.030
     c.observe((8, 3), 24, 0.050)  # one other key: still no line (two points would be its own)
     assert c.estimate((8, 3), 24) == 0.050
+
+
+def test_the_blend_keeps_a_once_seen_key_under_the_repeat_line_where_first_runs_are_dear():
+    """Where first readings run dear, a key seen once is estimated at most at what the line through
+    repeated readings predicts: the blend with its row count's line comes first, since that line
+    may rest on once-seen (dear) keys too."""
+    from mmspec.step_costs import StepCosts
+
+    c = StepCosts(0.9)
+    for q, first, again in ((1, 0.020, 0.010), (2, 0.024, 0.012)):  # first readings 2x dearer
+        c.observe((4, q), 4 * q, first)
+        c.observe((4, q), 4 * q, again)
+    assert c.one_time_costs
+    c.observe((4, 4), 16, 0.032)  # once seen, dear like every first reading here
+    c.observe((4, 5), 20, 0.036)
+    line = c._predict(16, repeats=True)  # through the repeated readings
+    near = c._neighbours((4, 4))  # the row count's line, through dear once-seen readings as well
+    assert line is not None and near > line  # (so blending after the cap would lift it above the line)
+    assert c.estimate((4, 4), 16) <= line + 1e-12
 
 
 def test_first_observations_are_provisional_only_where_first_runs_measure_dear():
