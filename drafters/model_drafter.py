@@ -30,6 +30,7 @@ from mmspec.adaptive import DraftLengthController
 from mmspec.adaptive_window import WindowBandit
 from mmspec.drafters.tree_grow import grow_tree
 from mmspec.drafters.chain_stop import ChainStop
+from mmspec.drafters.plain_stretch import append_at_counts
 from mmspec.spec import ForwardSpec, SpecRunner
 from mmspec.spec_target import chain_visibility
 from mmspec.position_noise import DraftsWithPositionNoise
@@ -298,19 +299,13 @@ class ModelDrafter(DraftsWithPositionNoise):
         self._deferred.append(roots)
 
     def _flush(self) -> None:
-        """Append the deferred roots to each row's pending tokens: one scatter for the stretch."""
+        """Append the deferred roots to each row's pending tokens, the stretch at once (drafters/plain_stretch.py)."""
         if not self._deferred:
             return
         n = len(self._deferred)
         new = torch.stack(self._deferred, 1)  # [B, n]
         self._deferred = []
-        B, P = self.pending.shape
-        if P == 0:
-            self.pending = new
-        else:
-            pending = torch.cat([self.pending, new.new_zeros(B, n)], 1)
-            at = self.pending_count.unsqueeze(1) + torch.arange(n, device=new.device)
-            self.pending = pending.scatter_(1, at, new)
+        self.pending = append_at_counts(self.pending, new, self.pending_count, self.pending.shape[1] + n)
         self.pending_count = self.pending_count + n
         self.pending_host = [c + n for c in self.pending_host]
     def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
