@@ -14,8 +14,9 @@ engine, 113 / 70 steps at K = 2 / 7 on the 81% pair, equal). This script
    cost (times lognormal noise that the controller sees, and a penalty on steps whose K differs
    from the previous one's), for many noise seeds in seconds; against every fixed K = 0..6 on the
    same noise, and against K*, the fixed K that is best in the noise-free replay (`--drift`
-   adds slow phases of the machine: an AR(1) factor on every step's true cost). `--oracle` gives the controller the table's costs and the traces' acceptance: what
-   is left is the cost model's own error.
+   adds slow phases of the machine: an AR(1) factor on every step's true cost). `--oracle`
+   gives the controller the table's costs and the traces' acceptance: what is left is the cost
+   model's own error.
 
     python benchmarks/auto_sim.py traces --out traces.json
     python benchmarks/auto_sim.py run --traces traces.json --tables weak=T1.json,bench=T2.json,strong=T3.json
@@ -151,6 +152,8 @@ def main() -> None:
     r.add_argument("--oracle", action="store_true")
     r.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.cmd == "run" and (a.drift < 0 or a.drift_steps <= 0):
+        p.error(f"--drift must be >= 0 and --drift-steps > 0, got {a.drift} and {a.drift_steps}")
     if a.cmd == "traces":
         import torch
         torch.set_num_threads(2)

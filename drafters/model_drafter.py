@@ -308,6 +308,7 @@ class ModelDrafter(DraftsWithPositionNoise):
         self.pending = append_at_counts(self.pending, new, self.pending_count, self.pending.shape[1] + n)
         self.pending_count = self.pending_count + n
         self.pending_host = [c + n for c in self.pending_host]
+
     def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
         """Run pending tokens + root (after the deferred prompt prefill, if any); returns
         drafter logits [B, V] at the root."""

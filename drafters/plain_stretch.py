@@ -21,5 +21,5 @@ def append_at_counts(pending: torch.Tensor, new: torch.Tensor, count: torch.Tens
     grow = max(width - pending.shape[1], 0)
     out = torch.cat([pending, new.new_zeros(B, grow, *new.shape[2:])], 1)  # (a copy even when grow == 0)
     at = count.unsqueeze(1) + torch.arange(m, device=new.device)  # [B, m]
-    out[torch.arange(B, device=new.device).unsqueeze(1), at] = new  # an index put (4x a scatter_ on CPU)
+    out[torch.arange(B, device=new.device).unsqueeze(1), at] = new  # an index put: ~4x faster than scatter_ on CPU
     return out
