@@ -149,6 +149,7 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 "auto_vs_plain": round(fast["auto"] / fast["plain"], 3)}
             if config.repeats >= 2:
                 row["auto_vs_best_fixed_split"] = _split_best(rounds, [n for n in drafters if n != "auto"])
+                row["twin_below_goal"] = _twin_below(rounds, [n for n in drafters if n != "auto"], config.prompts)
             if "assisted" in tps:
                 row["auto_vs_assisted"] = round(tps["auto"] / tps["assisted"], 3)
                 row["assisted_identical"] = all(torch.equal(methods["assisted"].outs[j], methods["plain"].outs[j])
@@ -201,6 +202,60 @@ def _split_best(rounds: dict[str, list[float]], fixed: list[str]) -> dict:
     return {"picked": pick, "auto_vs_picked": round(statistics.median(odd_fixed) / statistics.median(odd_auto), 3)}
 
 
+def _twin_below(rounds: dict[str, list[float]], fixed: list[str], count: int, goal: float = 0.95,
+                draws: int = 1000, seed: int = 0) -> float:
+    """The run's resolution: how often a method exactly as fast as the best fixed K (its rounds a
+    fresh draw of that K's rounds) would read below `goal` x the best fixed K in hindsight,
+    by bootstrap over the rounds (each prompt set's rounds resampled with replacement, every
+    fixed K and the twin alike, the best picked afresh in each draw as the bench picks it).
+    Near 0: the cell can tell a 5% loss; 0.3: a perfect controller misses 3 runs in 10."""
+    import random
+
+    rng = random.Random(seed)
+    per = {}
+    for name in fixed:
+        sets: dict[int, list[float]] = {}
+        for r, t in enumerate(rounds[name]):
+            sets.setdefault((r + 1) % count, []).append(t)
+        per[name] = list(sets.values())
+    best = min(fixed, key=lambda n: _workload_seconds(rounds[n], count))
+
+    def draw(name):
+        return sum(statistics.median(rng.choice(v) for _ in v) for v in per[name])
+
+    below = 0
+    for _ in range(draws):
+        hindsight = min(draw(n) for n in fixed)
+        below += hindsight / draw(best) < goal
+    return round(below / draws, 3)
+
+
+def resolution(rows: list[dict]) -> dict:
+    """Over a report's rows: the misses a controller exactly as fast as the best fixed K would
+    expect in this run (sum of `twin_below_goal`), the misses `auto` read, and the cells whose
+    90% interval of paired per-round ratios lies wholly below a goal (0.95x the best fixed K,
+    1.0x plain): a miss that the run's noise cannot explain."""
+    twins = [r["twin_below_goal"] for r in rows if "twin_below_goal" in r]
+    sig_best = [f"{r['pair']} B={r['batch']}" for r in rows
+                if r.get("auto_vs_best_fixed_ci90") and r["auto_vs_best_fixed_ci90"][1] < 0.95]
+    sig_plain = [f"{r['pair']} B={r['batch']}" for r in rows
+                 if r.get("auto_vs_plain_ci90") and r["auto_vs_plain_ci90"][1] < 1.0]
+    return {"cells": len(rows), "twin_expected_misses": round(sum(twins), 2) if len(twins) == len(rows) else None,
+            "misses_vs_best_fixed": sum(r["auto_vs_best_fixed"] < 0.95 for r in rows),
+            "misses_vs_plain": sum(r["auto_vs_plain"] < 1.0 for r in rows),
+            "significantly_below_best_fixed": sig_best, "significantly_below_plain": sig_plain}
+
+
+def format_resolution(res: dict) -> str:
+    twin = ("" if res["twin_expected_misses"] is None else
+            f"; a method exactly as fast as the best fixed K would read < 0.95x in {res['twin_expected_misses']:.1f} "
+            f"of {res['cells']} (bootstrap over rounds)")
+    return (f"misses: auto < 0.95x best fixed K in {res['misses_vs_best_fixed']} of {res['cells']} cells{twin}; "
+            f"auto < 1.0x plain in {res['misses_vs_plain']}. Significantly below (90% interval of paired rounds "
+            f"wholly under the goal): best fixed K {', '.join(res['significantly_below_best_fixed']) or 'none'}; "
+            f"plain {', '.join(res['significantly_below_plain']) or 'none'}")
+
+
 def _histogram(ks: list[int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in ks:
@@ -241,6 +296,8 @@ def format_table(report: dict) -> str:
         lines.append(f"pair {name}: greedy agreement {p['greedy_agreement']:.0%} (perturbation {p['perturbation']}), "
                      f"kernels {p['kernels']}")
     lines += [format_row(r) for r in report["rows"]]
+    if report["rows"]:
+        lines.append(format_resolution(resolution(report["rows"])))
     return "\n".join(lines)
 
 
@@ -265,7 +322,11 @@ def main(argv: list[str]) -> int:
                    help="prompt sets each cell cycles through, one per round (default 3; 1: one prompt, as before)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the suite runs)")
     p.add_argument("--json", default=None)
+    p.add_argument("--analyse", default=None, metavar="REPORT.json",
+                   help="print the table of a stored report, with the resolution figures of its rounds; runs nothing")
     a = p.parse_args(argv)
+    if a.analyse:
+        return _analyse(a.analyse)
     pair = PairConfig()
     if a.smoke:
         pair = PairConfig(vocab_size=256, hidden_size=64, intermediate_size=128, target_layers=2, heads=4)
@@ -288,3 +349,25 @@ def main(argv: list[str]) -> int:
             json.dump(report, f, indent=1)
         print(f"wrote {a.json}")
     return 0
+
+
+def _analyse(path: str) -> int:
+    """`--analyse`: a stored report's table, with `twin_below_goal` computed from its rounds where
+    the report predates it (reports from before per-round seconds were kept get none)."""
+    import json
+
+    try:
+        with open(path) as f:
+            report = json.load(f)
+        rows = report["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"mmspec bench core --analyse: cannot read a bench core report from {path}: {e}") from None
+    prompts = report.get("config", {}).get("prompts", 1)
+    for row in rows:
+        secs = row.get("seconds_per_round", {})
+        fixed = [n for n in secs if n.startswith("K=")]
+        if "twin_below_goal" not in row and fixed and len(secs[fixed[0]]) >= 2:
+            row["twin_below_goal"] = _twin_below(secs, fixed, prompts)
+    print(format_table(report))
+    return 0
+
