@@ -100,6 +100,14 @@ class DraftLengthController:
     # A probe that costs more than the probe budget allows at max_probe_every is spaced out
     # to honour the budget, up to this many times max_probe_every.
     budget_gap_factor = 16
+    # The machine's speed moves in phases that every shape shares (`observe`): each warm step's
+    # verify moves the log phase by `phase_rate` x its log ratio to the estimate, clipped to
+    # +-`phase_band` so that one interference spike moves every estimate by at most ~1.4%.
+    # Replayed without the models (benchmarks/auto_sim.py, 336 runs a setting): runs below
+    # 0.95x K* without phases 13 -> 10, with sd 15% / 100 steps 55 -> 37, sd 30% / 200 steps
+    # 74 -> 54 (docs/architecture.md, "Adaptive draft length").
+    phase_rate = 0.1
+    phase_band = math.log(1.15)
 
     def __init__(
         self,
@@ -114,6 +122,7 @@ class DraftLengthController:
         max_probe_every: int = 64,
         probe_budget: float = 0.01,
         min_gain: float = 0.04,
+        phase_rate: float | None = None,
     ):
         if not isinstance(k_max, int) or k_max < 0:
             raise ValueError(f"k_max must be an int >= 0, got {k_max!r}")
@@ -131,6 +140,12 @@ class DraftLengthController:
         self.acc_long = [0.0] * k_max
         self.tried_long = [0.0] * k_max
         self.relax = 0.97  # per plain step
+        # The machine's phase (see `observe`): costs are kept in its units, estimates scaled by it.
+        rate = type(self).phase_rate if phase_rate is None else phase_rate
+        if not 0.0 <= float(rate) < 1.0:
+            raise ValueError(f"phase_rate must be in [0, 1) (0: no phase), got {phase_rate!r}")
+        self.phase_rate = float(rate)
+        self.log_phase = 0.0
         self.verify = StepCosts(decay)
         self.draft = StepCosts(decay)
         k0 = min(3, k_max)  # two draft lengths give the cost lines two points; the rest is chosen
@@ -186,6 +201,12 @@ class DraftLengthController:
         return total
 
     def seconds(self, batch: int, k: int) -> float | None:
+        """Estimated seconds of a step of `batch` rows at K, at the machine's current phase."""
+        s = self._unit_seconds(batch, k)
+        return None if s is None else s * math.exp(self.log_phase)
+
+    def _unit_seconds(self, batch: int, k: int) -> float | None:
+        """`seconds` in the units the costs are kept in (phase 0): what rankings compare."""
         v = self.verify.estimate((batch, k + 1), batch * (k + 1))
         d = 0.0 if k == 0 else self.draft.estimate((batch, k), batch * k)
         if v is None or d is None:
@@ -241,12 +262,13 @@ class DraftLengthController:
         slowest row's r - 1 counts as r - 1. Rows that are done leave the batch, so between two
         rows' expected finishes a step costs `seconds(rows still running, K)`, summed over those
         stretches; at batch 1, seconds(1, K) times the expected steps."""
-        return self._finish_seconds(batch, k, remaining, self.acceptance())
+        t = self._finish_seconds(batch, k, remaining, self.acceptance())
+        return None if t is None else t * math.exp(self.log_phase)
 
     def _finish_seconds(self, batch: int, k: int, remaining: list[int], rates: list[float],
                         moments: tuple[float, float] | None = None, slope: float | None = None) -> float | None:
         """`finish_seconds` with what a caller ranking every K computes once for all K: the
-        `moments` of K and the `slope` of E[G] in the rates (`_mean_slopes`)."""
+        `moments` of K and the `slope` of E[G] in the rates (`_mean_slopes`); in phase units."""
         s = self._seconds_memo(batch, k)
         if s is None or s <= 0:
             return None
@@ -372,7 +394,8 @@ class DraftLengthController:
             cap = max(max(remaining) - 1, 0)
             times = {k: self._finish_seconds(batch, k, remaining, acc, moments[min(k, cap)], slopes[min(k, cap)])
                      for k in range(self.k_max + 1)}
-            return {k: None if t is None else 1.0 / t for k, t in times.items()}
+            scale = math.exp(self.log_phase)  # times in the costs' units: rates at the current phase
+            return {k: None if t is None else 1.0 / (t * scale) for k, t in times.items()}
         return {k: self.rate(batch, k) for k in range(self.k_max + 1)}
 
     def _best(self, rates: dict[int, float | None]) -> int:
@@ -476,10 +499,21 @@ class DraftLengthController:
             self._req_step += 1
         warm = self._req_step is None or self._req_step > self.cold_steps
         key = (batch, k + 1)
+        if self.phase_rate and warm and verify_seconds > 0 and key in self.verify.means:
+            # The machine's phase: every shape's cost moves with it (the VM of our bench ran 45%
+            # faster for minutes while `auto` held one K, and shapes last read before kept their
+            # old costs). Each warm verify of a shape read before moves it by its clipped log ratio
+            # to the estimate, so readings are kept in one phase's units and a shape read long ago
+            # stays comparable (a shape's first reading has only the line to compare with).
+            est = self.verify.estimate(key, batch * (k + 1))
+            if est is not None and est > 0:
+                ratio = math.log(verify_seconds / est) - self.log_phase
+                self.log_phase += self.phase_rate * min(max(ratio, -self.phase_band), self.phase_band)
+        unit = math.exp(-self.log_phase)
         if warm or key not in self.verify.means:
-            self.verify.observe(key, batch * (k + 1), verify_seconds)
+            self.verify.observe(key, batch * (k + 1), verify_seconds * unit)
         if k > 0 and not self._skip_draft_cost and (warm or (batch, k) not in self.draft.means):
-            self.draft.observe((batch, k), batch * k, draft_seconds)
+            self.draft.observe((batch, k), batch * k, draft_seconds * unit)
         self._skip_draft_cost = False
         self._memo_age += 1
         if self._memo_age >= 8 or self.steps < 32:
@@ -491,7 +525,7 @@ class DraftLengthController:
     def _seconds_memo(self, batch: int, k: int) -> float | None:
         s = self._memo.get((batch, k), self)
         if s is self:
-            s = self._memo[(batch, k)] = self.seconds(batch, k)
+            s = self._memo[(batch, k)] = self._unit_seconds(batch, k)
         return s
 
 

@@ -4,6 +4,8 @@ follow measured costs and acceptance (fed synthetic measurements, so determinist
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -391,18 +393,45 @@ def test_unpadded_equal_length_plain_steps_run_mask_free_and_exact(target, good_
 
 def test_a_slow_outlier_step_barely_moves_the_cost_estimate_but_a_lasting_rise_comes_through():
     """Interference only slows steps down: one step timed 10x too slow moves its key's mean by at
-    most (1 - decay) x 50%, not by (1 - decay) x 900%; a lasting doubling is still learnt."""
+    most (1 - decay) x 50%, not by (1 - decay) x 900%, and the machine's phase by at most
+    phase_rate x log 1.15 (every estimate alike); a lasting doubling is still learnt."""
     ctrl = DraftLengthController(4)
     for _ in range(30):
         ctrl.observe(1, 2, [1], 0.002, 0.010)
     before = ctrl.seconds(1, 2)
     ctrl.observe(1, 2, [1], 0.002, 0.100)  # one 10x verify outlier
     after = ctrl.seconds(1, 2)
-    assert after <= before + 0.1 * 0.5 * 0.010 + 1e-12
+    assert after <= (before + 0.1 * 0.5 * 0.010) * 1.15 ** ctrl.phase_rate + 1e-12
     assert after > before  # it still counts for something
     for _ in range(30):
         ctrl.observe(1, 2, [1], 0.002, 0.020)  # the verify really got 2x slower
-    assert abs(ctrl.verify.means[(1, 3)] - 0.020) < 0.001
+    assert abs(ctrl.verify.estimate((1, 3), 3) * math.exp(ctrl.log_phase) - 0.020) < 0.001
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.2])
+def test_a_shape_read_before_the_machine_slowed_down_stays_comparable(rate):
+    """Two draft lengths read alike (K = 1: verify 10 ms + draft 2 ms; K = 3: 12 + 6 ms), then
+    the machine runs 1.4x slower for 40 steps while only K = 3 is read. Without a phase, K = 1's
+    estimate keeps the fast machine's cost: 12 / (18 x 1.4) = 0.48 of K = 3's, where it is
+    12 / 18 = 0.67. With the phase K = 1 moves with the machine, in part: the held shape's own
+    mean takes up the rest (nothing tells the two apart while one shape is read), so the gap
+    to the truth closes by at least a third, never past it, and the held shape reads current."""
+    def run(phase_rate):
+        ctrl = DraftLengthController(4, warmup=(), probe_every=0, phase_rate=phase_rate)
+        for _ in range(20):
+            ctrl.observe(1, 1, [1], 0.002, 0.010)
+            ctrl.observe(1, 3, [3], 0.006, 0.012)
+        for _ in range(40):
+            ctrl.observe(1, 3, [3], 0.006 * 1.4, 0.012 * 1.4)
+        return ctrl.seconds(1, 1) / ctrl.seconds(1, 3), ctrl.seconds(1, 3)
+
+    stale, _ = run(0.0)
+    assert abs(stale - 12 / 18 / 1.4) < 0.01
+    ratio, now = run(rate)
+    assert stale + (12 / 18 - stale) / 3 < ratio < 12 / 18 + 0.01
+    assert abs(now - 0.018 * 1.4) < 0.0005
+    with pytest.raises(ValueError, match="phase_rate"):
+        DraftLengthController(4, phase_rate=1.0)
 
 
 def test_acceptance_memory_counts_outcomes_so_a_small_gain_at_batch_1_is_kept():
@@ -430,8 +459,9 @@ def test_acceptance_memory_counts_outcomes_so_a_small_gain_at_batch_1_is_kept():
 def test_the_first_steps_of_a_request_teach_only_unmeasured_costs():
     """Right after a prefill every forward is slower (cold caches): within a marked request the
     first `cold_steps` steps set a cost only where none is known, and never move a known one;
-    later steps do. Unmarked use (no `begin_request`) learns from every step."""
-    ctrl = DraftLengthController(4, warmup=(), probe_every=0)
+    later steps do. Unmarked use (no `begin_request`) learns from every step. (Phase off: the
+    means below are then the readings' own, in seconds.)"""
+    ctrl = DraftLengthController(4, warmup=(), probe_every=0, phase_rate=0.0)
     ctrl.begin_request()
     ctrl.observe(2, 0, [0, 0], 0.0, 0.030)  # cold, but the first plain cost at batch 2: kept
     ctrl.observe(2, 0, [0, 0], 0.0, 0.040)  # cold: ignored
@@ -443,7 +473,7 @@ def test_the_first_steps_of_a_request_teach_only_unmeasured_costs():
     ctrl.begin_request()
     ctrl.observe(2, 1, [1, 1], 0.005, 0.050)  # a new request's first step: cold again
     assert ctrl.verify.means[(2, 2)] == 0.036 and ctrl.draft.means[(2, 1)] == 0.001
-    unmarked = DraftLengthController(4, warmup=(), probe_every=0)
+    unmarked = DraftLengthController(4, warmup=(), probe_every=0, phase_rate=0.0)
     unmarked.observe(2, 0, [0, 0], 0.0, 0.030)
     unmarked.observe(2, 0, [0, 0], 0.0, 0.040)
     assert unmarked.verify.means[(2, 1)] == pytest.approx(0.5 * 0.030 + 0.5 * 0.040)  # two readings: their mean
