@@ -46,6 +46,11 @@ Model (per step, B active rows, K drafts per row):
   line through the other keys of its row count (as two readings): it is read again only when
   chosen or probed, so one noisy reading would otherwise steer rankings for long.
   K = 0 is plain decoding (the drafter does no work that step).
+- The machine's speed moves in phases that every shape shares (a shared VM ran 45% faster for
+  minutes while `auto` held one K, and the shapes read before kept their old costs). A log phase
+  follows it: each warm verify of a shape read before moves it by `phase_rate` (0.1) x its log
+  ratio to that shape's estimate, clipped to +-15% (one interference spike moves every estimate
+  by at most ~1.4%); costs are kept in the units of phase 0 and estimates scaled by the phase.
 - Switching speculation on must pay by a margin (`min_gain`, 4% by default): K > 0 is chosen
   over K = 0 only when its estimated rate beats plain decoding's by that much. Batched
   speculation has costs a per-step model does not see (rows drift apart, so later steps lose
