@@ -105,12 +105,13 @@ class DraftLengthController:
     # A probe that costs more than the probe budget allows at max_probe_every is spaced out
     # to honour the budget, up to this many times max_probe_every.
     budget_gap_factor = 16
-    # The machine's speed moves in phases that every shape shares (`observe`): each warm step's
-    # verify moves the log phase by `phase_rate` x its log ratio to the estimate, clipped to
-    # +-`phase_band` so that one interference spike moves every estimate by at most ~1.4%.
-    # Replayed without the models (benchmarks/auto_sim.py, 336 runs a setting): runs below
-    # 0.95x K* without phases 13 -> 10, with sd 15% / 100 steps 55 -> 37, sd 30% / 200 steps
-    # 74 -> 54 (docs/architecture.md, "Adaptive draft length").
+    # The machine's speed moves in phases that every shape shares (`observe`): each warm verify
+    # of a shape read before moves the log phase by `phase_rate` x its log ratio to the shape's
+    # estimate, clipped to +-`phase_band` so that one interference spike moves every estimate by
+    # at most ~1.4%. Replayed without the models (benchmarks/auto_sim.py, 336 runs a setting):
+    # runs below 0.95x K* without phases 13 -> 15, with sd 15% / 100 steps 55 -> 40, sd 30% /
+    # 200 steps 74 -> 45 (docs/architecture.md, "Adaptive draft length"). `phase_rate=0` in the
+    # constructor turns it off.
     phase_rate = 0.1
     phase_band = math.log(1.15)
 
