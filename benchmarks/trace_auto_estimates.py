@@ -9,7 +9,7 @@ of that time (docs/architecture.md, "Adaptive draft length").
 
     python benchmarks/trace_auto_estimates.py PAIR BATCH CALLS      (PAIR: weak, bench or strong)
 """
-import sys, torch, mmspec
+import math, sys, torch, mmspec
 from mmspec.bench.core import _prompts
 from mmspec.bench.draft_length import named_pair
 from mmspec.drafters import ModelDrafter
@@ -24,9 +24,10 @@ for i in range(calls):
     ids, mask = _prompts(B, (12, 32), pc.vocab_size, seed=B + 1000 * (i % 3))
     out = mmspec.speculative_generate(w, auto, ids, mask, temperature=0, max_new_tokens=48, pad_token_id=0)
     ks = out.stats.nodes_per_step
-    v = {q: (round(c.verify.estimate((B, q), B * q) * 1e3, 1), c.verify.counts.get((B, q), 0)) for q in range(1, 8)}
-    d = {k: (round((c.draft.estimate((B, k), B * k) or 0) * 1e3, 1), c.draft.counts.get((B, k), 0)) for k in range(1, 7)}
+    ms = 1e3 * math.exp(c.log_phase)  # the estimates are kept in the units of phase 0: ms now
+    v = {q: (round(c.verify.estimate((B, q), B * q) * ms, 1), c.verify.counts.get((B, q), 0)) for q in range(1, 8)}
+    d = {k: (round((c.draft.estimate((B, k), B * k) or 0) * ms, 1), c.draft.counts.get((B, k), 0)) for k in range(1, 7)}
     rates = c._rates(B, None)
     best = max(r for r in rates.values() if r)
-    print(i, "K", ks, "\n   verify", v, "\n   draft", d, "\n   acc", [round(a, 2) for a in c.acceptance()[:6]],
+    print(i, "K", ks, f"\n   speed phase {math.exp(-c.log_phase):.3f}", "\n   verify", v, "\n   draft", d, "\n   acc", [round(a, 2) for a in c.acceptance()[:6]],
           "\n   rel rate", {k: round(r / best, 3) for k, r in rates.items() if r and k <= 6}, flush=True)

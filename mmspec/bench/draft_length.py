@@ -160,13 +160,18 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
     return {"info": info, "config": asdict(config), "rows": rows}
 
 
-def _workload_seconds(seconds: list[float], count: int, pick=statistics.median) -> float:
-    """A method's time for the workload: round r ran prompt set (r + 1) % count; the sum over
-    the sets seen of `pick` (median, or min for the fastest rounds) of the set's rounds."""
+def _per_set(seconds: list[float], count: int) -> list[list[float]]:
+    """A method's rounds grouped by prompt set: round r ran set (r + 1) % count."""
     per_set: dict[int, list[float]] = {}
     for r, t in enumerate(seconds):
         per_set.setdefault((r + 1) % count, []).append(t)
-    return sum(pick(v) for v in per_set.values())
+    return list(per_set.values())
+
+
+def _workload_seconds(seconds: list[float], count: int, pick=statistics.median) -> float:
+    """A method's time for the workload: the sum over the prompt sets seen of `pick` (median,
+    or min for the fastest rounds) of the set's rounds."""
+    return sum(pick(v) for v in _per_set(seconds, count))
 
 
 def _paired(rounds: dict[str, list[float]], a: str, b: str) -> list[float]:
@@ -212,12 +217,7 @@ def _twin_below(rounds: dict[str, list[float]], fixed: list[str], count: int, go
     import random
 
     rng = random.Random(seed)
-    per = {}
-    for name in fixed:
-        sets: dict[int, list[float]] = {}
-        for r, t in enumerate(rounds[name]):
-            sets.setdefault((r + 1) % count, []).append(t)
-        per[name] = list(sets.values())
+    per = {name: _per_set(rounds[name], count) for name in fixed}
     best = min(fixed, key=lambda n: _workload_seconds(rounds[n], count))
 
     def draw(name):

@@ -185,11 +185,11 @@ def controller_state(c, batch: int, new_tokens: int) -> dict:
     with the number of steps behind each, and its projected ms to finish a fresh request of `new_tokens` per row at each K (its
     choice is the smallest)."""
     finish = {k: c.finish_seconds(batch, k, [new_tokens] * batch) for k in range(c.k_max + 1)}
-    ms = 1e3 * math.exp(getattr(c, "log_phase", 0.0))  # the means are kept in the units of phase 0
+    ms = 1e3 * math.exp(c.log_phase)  # the means are kept in the units of phase 0
     return {"acceptance": [round(a, 3) for a in c.acceptance()],
             "verify_ms": {f"{b}x{q}": round(v * ms, 3) for (b, q), v in sorted(c.verify.means.items())},
             "draft_ms": {f"{b}x{k}": round(v * ms, 3) for (b, k), v in sorted(c.draft.means.items())},
-            "speed_phase": round(math.exp(-getattr(c, "log_phase", 0.0)), 3),
+            "speed_phase": round(math.exp(-c.log_phase), 3),
             # how many steps each mean is made of: a key seen a few times is mostly its first
             # observation, which carries whatever a new shape costs once (kernel loading, plans)
             "verify_observations": {f"{b}x{q}": n for (b, q), n in sorted(c.verify.counts.items())},
