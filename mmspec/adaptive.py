@@ -148,7 +148,7 @@ class DraftLengthController:
         self.relax = 0.97  # per plain step
         # The machine's phase (see `observe`): costs are kept in its units, estimates scaled by it.
         rate = type(self).phase_rate if phase_rate is None else phase_rate
-        if not 0.0 <= float(rate) < 1.0:
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
             raise ValueError(f"phase_rate must be in [0, 1) (0: no phase), got {phase_rate!r}")
         self.phase_rate = float(rate)
         self.log_phase = 0.0

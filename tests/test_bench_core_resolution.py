@@ -90,3 +90,7 @@ def test_bench_core_reports_and_reanalyses_its_resolution(tmp_path, capsys):
     assert "would read < 0.95x in" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="cannot read a bench core report"):
         main(["bench", "core", "--analyse", str(tmp_path / "missing.json")])
+    other = tmp_path / "other.json"  # another suite's report: rows of another form
+    other.write_text(json.dumps({"info": {}, "rows": [{"method": "mmspec", "batch": 1}]}))
+    with pytest.raises(SystemExit, match="is not a bench core report"):
+        main(["bench", "core", "--analyse", str(other)])

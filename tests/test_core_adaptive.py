@@ -430,8 +430,9 @@ def test_a_shape_read_before_the_machine_slowed_down_stays_comparable(rate):
     ratio, now = run(rate)
     assert stale + (12 / 18 - stale) / 3 < ratio < 12 / 18 + 0.01
     assert abs(now - 0.018 * 1.4) < 0.0005
-    with pytest.raises(ValueError, match="phase_rate"):
-        DraftLengthController(4, phase_rate=1.0)
+    for bad in (1.0, -0.1, "0.1", True):
+        with pytest.raises(ValueError, match="phase_rate"):
+            DraftLengthController(4, phase_rate=bad)
 
 
 def test_acceptance_memory_counts_outcomes_so_a_small_gain_at_batch_1_is_kept():

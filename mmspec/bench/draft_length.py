@@ -362,12 +362,16 @@ def _analyse(path: str) -> int:
         rows = report["rows"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"mmspec bench core --analyse: cannot read a bench core report from {path}: {e}") from None
-    prompts = report.get("config", {}).get("prompts", 1)
-    for row in rows:
-        secs = row.get("seconds_per_round", {})
-        fixed = [n for n in secs if n.startswith("K=")]
-        if "twin_below_goal" not in row and fixed and len(secs[fixed[0]]) >= 2:
-            row["twin_below_goal"] = _twin_below(secs, fixed, prompts)
-    print(format_table(report))
+    try:
+        prompts = report.get("config", {}).get("prompts", 1)
+        for row in rows:
+            secs = row.get("seconds_per_round", {})
+            fixed = [n for n in secs if n.startswith("K=")]
+            if "twin_below_goal" not in row and fixed and len(secs[fixed[0]]) >= 2:
+                row["twin_below_goal"] = _twin_below(secs, fixed, prompts)
+        table = format_table(report)
+    except (KeyError, TypeError, AttributeError) as e:  # another suite's report, or a damaged one
+        raise SystemExit(f"mmspec bench core --analyse: {path} is not a bench core report (missing {e})") from None
+    print(table)
     return 0
 
