@@ -322,8 +322,9 @@ def main(argv: list[str]) -> int:
                    help="prompt sets each cell cycles through, one per round (default 3; 1: one prompt, as before)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the suite runs)")
     p.add_argument("--json", default=None)
-    p.add_argument("--analyse", default=None, metavar="REPORT.json",
-                   help="print the table of a stored report, with the resolution figures of its rounds; runs nothing")
+    p.add_argument("--analyse", default=None, nargs="+", metavar="REPORT.json",
+                   help="print the table of a stored report, with the resolution figures of its rounds; with several "
+                        "reports also auto's ratios pooled over all their rounds; runs nothing")
     a = p.parse_args(argv)
     if a.analyse:
         return _analyse(a.analyse)
@@ -351,27 +352,43 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _analyse(path: str) -> int:
-    """`--analyse`: a stored report's table, with `twin_below_goal` computed from its rounds where
-    the report predates it (reports from before per-round seconds were kept get none)."""
+def _analyse(paths: list[str]) -> int:
+    """`--analyse`: each stored report's table, with `twin_below_goal` computed from its rounds where
+    the report predates it (reports from before per-round seconds were kept get none); with two
+    or more reports, the ratios pooled over all their rounds (`mmspec/bench/core_pooled.py`)."""
     import json
 
-    try:
-        with open(path) as f:
-            report = json.load(f)
-        rows = report["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"mmspec bench core --analyse: cannot read a bench core report from {path}: {e}") from None
-    try:
-        prompts = report.get("config", {}).get("prompts", 1)
-        for row in rows:
-            secs = row.get("seconds_per_round", {})
-            fixed = [n for n in secs if n.startswith("K=")]
-            if "twin_below_goal" not in row and fixed and len(secs[fixed[0]]) >= 2:
-                row["twin_below_goal"] = _twin_below(secs, fixed, prompts)
-        table = format_table(report)
-    except (KeyError, TypeError, AttributeError) as e:  # another suite's report, or a damaged one
-        raise SystemExit(f"mmspec bench core --analyse: {path} is not a bench core report (missing {e})") from None
-    print(table)
-    return 0
+    from .core_pooled import format_pooled, pool
 
+    reports = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                report = json.load(f)
+            rows = report["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"mmspec bench core --analyse: cannot read a bench core report from {path}: {e}") from None
+        try:
+            prompts = report.get("config", {}).get("prompts", 1)
+            for row in rows:
+                secs = row.get("seconds_per_round", {})
+                fixed = [n for n in secs if n.startswith("K=")]
+                if "twin_below_goal" not in row and fixed and len(secs[fixed[0]]) >= 2:
+                    row["twin_below_goal"] = _twin_below(secs, fixed, prompts)
+            table = format_table(report)
+        except (KeyError, TypeError, AttributeError) as e:  # another suite's report, or a damaged one
+            raise SystemExit(f"mmspec bench core --analyse: {path} is not a bench core report (missing {e})") from None
+        if len(paths) > 1:
+            print(f"== {path}")
+        print(table)
+        reports.append(report)
+    if len(reports) > 1:
+        try:
+            pooled = pool(reports, paths)
+        except ValueError as e:
+            raise SystemExit(f"mmspec bench core --analyse: {e}") from None
+        if not pooled["rows"]:
+            raise SystemExit("mmspec bench core --analyse: no report keeps per-round seconds (sessions 40 on do): "
+                             "nothing to pool")
+        print(format_pooled(pooled))
+    return 0
