@@ -191,3 +191,18 @@ def test_analyse_pools_several_reports_and_refuses_mixed_ones(tmp_path, capsys):
     bare0.write_text(json.dumps(one))
     with pytest.raises(SystemExit, match="nothing to pool"):
         main(["bench", "core", "--analyse", str(bare0), str(bare)])
+
+
+def test_held_out_pick_worked_by_hand():
+    """Two runs of one round. Run 0: auto 1 s, K=1 0.5 s, K=2 1 s; run 1: auto 1 s, K=1 2 s,
+    K=2 0.8 s. Pooled, K=2 is the faster (logs 0, log 0.8 against log 0.5, log 2): auto/best
+    = exp(log(0.8) / 2) = 0.894. Held out, run 0 is timed against run 1's pick
+    (K=2: ratio 1) and run 1 against run 0's (K=1: ratio 2): auto/held out = sqrt(2)."""
+    from mmspec.bench.core_pooled import pool
+
+    runs = [{"auto": [1.0], "K=1": [0.5], "K=2": [1.0], "plain": [1.0]},
+            {"auto": [1.0], "K=1": [2.0], "K=2": [0.8], "plain": [1.0]}]
+    (row,) = pool([{"config": {}, "rows": [{"pair": "bench", "batch": 1, "seconds_per_round": r}]} for r in runs])["rows"]
+    assert row["best_fixed"] == "K=2" and row["auto_vs_best_fixed"] == pytest.approx(math.sqrt(0.8), abs=1e-3)
+    assert row["held_out_picks"] == ["K=2", "K=1"]
+    assert row["auto_vs_held_out"] == pytest.approx(math.sqrt(2), abs=1e-3)
