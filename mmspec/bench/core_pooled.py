@@ -38,7 +38,8 @@ def t90(df: int) -> float:
     return [q for d, q in _T90 if d <= df][-1]
 
 
-def _interval(logs: list[float]) -> tuple[float, list[float] | None]:
+def log_interval(logs: list[float]) -> tuple[float, list[float] | None]:
+    """exp of the mean of `logs` and a Student t 90% interval around it (None with < 2 values)."""
     n = len(logs)
     mean = sum(logs) / n
     if n < 2:
@@ -70,27 +71,27 @@ def pool(reports: list[dict], names: list[str] | None = None) -> dict:
         if not fixed:
             continue
 
-        def paired(name):  # log(t_name / t_auto) over every round of every run
-            return [math.log(t / a) for r in runs for t, a in zip(r[name], r["auto"])]
+        # log(t_K / t_auto) per run, for every K and plain: the rounds of run j are per_run[j][name]
+        per_run = [{name: [math.log(t / a) for t, a in zip(r[name], r["auto"])] for name in fixed + ["plain"]}
+                   for r in runs]
 
-        logs = {k: paired(k) for k in fixed}
-        best = min(fixed, key=lambda k: sum(logs[k]) / len(logs[k]))
-        ratio, ci = _interval(logs[best])
-        plain, plain_ci = _interval(paired("plain"))
-        row = {"pair": pair, "batch": batch, "runs": len(runs), "rounds": len(logs[best]), "best_fixed": best,
+        def pooled(name, which=range(len(runs))):
+            return [x for j in which for x in per_run[j][name]]
+
+        def fastest(which):  # the fixed K fastest against auto over the runs `which`
+            return min(fixed, key=lambda k: sum(pooled(k, which)) / len(pooled(k, which)))
+
+        best = fastest(range(len(runs)))
+        ratio, ci = log_interval(pooled(best))
+        plain, plain_ci = log_interval(pooled("plain"))
+        row = {"pair": pair, "batch": batch, "runs": len(runs), "rounds": len(pooled(best)), "best_fixed": best,
                "auto_vs_best_fixed": round(ratio, 3), "auto_vs_best_fixed_ci90": ci,
                "auto_vs_plain": round(plain, 3), "auto_vs_plain_ci90": plain_ci}
         if len(runs) > 1:
             # Free of the pick's luck: each run's rounds against the K that was fastest in the
             # other runs (what a user who chose K from earlier runs would have got).
-            held, picks = [], []
-            for j, run in enumerate(runs):
-                others = {k: [math.log(t / a) for i, r in enumerate(runs) if i != j for t, a in zip(r[k], r["auto"])]
-                          for k in fixed}
-                k = min(fixed, key=lambda k: sum(others[k]) / len(others[k]))
-                picks.append(k)
-                held += [math.log(t / a) for t, a in zip(run[k], run["auto"])]
-            held_ratio, held_ci = _interval(held)
+            picks = [fastest([i for i in range(len(runs)) if i != j]) for j in range(len(runs))]
+            held_ratio, held_ci = log_interval([x for j, k in enumerate(picks) for x in per_run[j][k]])
             row.update(auto_vs_held_out=round(held_ratio, 3), auto_vs_held_out_ci90=held_ci, held_out_picks=picks)
         rows.append(row)
     return {"reports": len(reports), "rows": rows}

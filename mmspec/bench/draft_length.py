@@ -179,23 +179,14 @@ def _paired(rounds: dict[str, list[float]], a: str, b: str) -> list[float]:
     return sorted(round(tb / ta, 3) for ta, tb in zip(rounds[a], rounds[b]))
 
 
-# Two-sided 90% Student t quantiles by degrees of freedom (n - 1 paired rounds).
-_T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812}
-
-
 def _ratio_ci(ratios: list[float]) -> list[float] | None:
     """90% confidence interval of the typical per-round ratio: a Student t interval on the
     logs of the paired per-round ratios (a round's methods ran back to back, so the machine's
     drift cancels within a pair). None with fewer than 2 rounds. It says how far one row's
     ratio can be trusted: a row whose interval straddles a goal cannot be called from this run."""
-    if len(ratios) < 2:
-        return None
-    logs = [math.log(r) for r in ratios]
-    n = len(logs)
-    mean = sum(logs) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
-    half = _T90[min(n - 1, 10)] * sd / math.sqrt(n)  # beyond 10 df: t(10), slightly wide
-    return [round(math.exp(mean - half), 3), round(math.exp(mean + half), 3)]
+    from .core_pooled import log_interval
+
+    return log_interval([math.log(r) for r in ratios])[1] if len(ratios) >= 2 else None
 
 
 def _split_best(rounds: dict[str, list[float]], fixed: list[str]) -> dict:
@@ -388,7 +379,7 @@ def _analyse(paths: list[str]) -> int:
         except ValueError as e:
             raise SystemExit(f"mmspec bench core --analyse: {e}") from None
         if not pooled["rows"]:
-            raise SystemExit("mmspec bench core --analyse: no report keeps per-round seconds (sessions 40 on do): "
+            raise SystemExit("mmspec bench core --analyse: no report keeps per-round seconds (`seconds_per_round`): "
                              "nothing to pool")
         print(format_pooled(pooled))
     return 0
