@@ -23,6 +23,7 @@ Reports must share the pair configuration and the number of new tokens (refused 
 from __future__ import annotations
 
 import math
+import statistics
 
 # Two-sided 90% Student t quantiles; a df between two entries takes the smaller one's (wider).
 _T90 = ((1, 6.314), (2, 2.920), (3, 2.353), (4, 2.132), (5, 2.015), (6, 1.943), (7, 1.895),
@@ -79,7 +80,7 @@ def pool(reports: list[dict], names: list[str] | None = None) -> dict:
             return [x for j in which for x in per_run[j][name]]
 
         def fastest(which):  # the fixed K fastest against auto over the runs `which`
-            return min(fixed, key=lambda k: sum(pooled(k, which)) / len(pooled(k, which)))
+            return min(fixed, key=lambda k: statistics.fmean(pooled(k, which)))
 
         best = fastest(range(len(runs)))
         ratio, ci = log_interval(pooled(best))

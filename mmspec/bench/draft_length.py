@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mmspec.bench.core import _cycling, _interleaved, _prompts
+from mmspec.bench.core_pooled import format_pooled, log_interval, pool
 from mmspec.bench.pair import PairConfig, build_pair, greedy_agreement
 from mmspec.cli_types import positive_int
 
@@ -184,8 +185,6 @@ def _ratio_ci(ratios: list[float]) -> list[float] | None:
     logs of the paired per-round ratios (a round's methods ran back to back, so the machine's
     drift cancels within a pair). None with fewer than 2 rounds. It says how far one row's
     ratio can be trusted: a row whose interval straddles a goal cannot be called from this run."""
-    from .core_pooled import log_interval
-
     return log_interval([math.log(r) for r in ratios])[1] if len(ratios) >= 2 else None
 
 
@@ -348,8 +347,6 @@ def _analyse(paths: list[str]) -> int:
     the report predates it (reports from before per-round seconds were kept get none); with two
     or more reports, the ratios pooled over all their rounds (`mmspec/bench/core_pooled.py`)."""
     import json
-
-    from .core_pooled import format_pooled, pool
 
     reports = []
     for path in paths:
