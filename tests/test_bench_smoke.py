@@ -100,6 +100,41 @@ def test_interleaved_rounds_alternate_their_order():
     assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
 
 
+def test_interleaved_balanced_order_follows_a_williams_design():
+    """order="balanced": every method once per round, and a method's predecessor within a
+    round changes from round to round; over the design's rows every ordered pair of methods is
+    adjacent equally often (counted independently here, not from the construction)."""
+    from collections import Counter
+
+    from mmspec.bench.core import _interleaved, williams_rows
+
+    for n in (2, 3, 4, 5, 9, 10):
+        rows = williams_rows(n)
+        assert len(rows) == (n if n % 2 == 0 else 2 * n)
+        assert all(sorted(row) == list(range(n)) for row in rows)
+        pairs = Counter((row[i - 1], row[i]) for row in rows for i in range(1, n))
+        assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}
+        assert len(set(pairs.values())) == 1
+    names = [f"m{i}" for i in range(10)]
+    calls = []
+    methods = {name: (lambda name=name: calls.append(name)) for name in names}
+    samples: dict = {}
+    _interleaved(methods, 10, samples, order="balanced")
+    assert calls[:10] == names  # warm-up in list order
+    rounds = [calls[10 + 10 * r: 20 + 10 * r] for r in range(10)]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    # The alternate order puts m9 after m8 or first in every round; here it follows 9 different
+    # methods in 10 rounds (first in one).
+    before = [r[r.index("m9") - 1] for r in rounds if r.index("m9") > 0]
+    assert len(before) == 9 and len(set(before)) == 9
+    with pytest.raises(ValueError, match="order"):
+        _interleaved(methods, 1, order="shuffled")
+    from mmspec.bench.draft_length import DraftLengthBench
+
+    with pytest.raises(ValueError, match="order must be 'balanced' or 'alternate'"):
+        DraftLengthBench(order="random")
+
+
 def test_bench_core_fastest_round_figures(tmp_path):
     """With 2 rounds each row also gives the ratios of each method's fastest rounds, and they
     agree with the per-round seconds it reports: with one prompt set the fastest round; with
@@ -108,7 +143,9 @@ def test_bench_core_fastest_round_figures(tmp_path):
         path = tmp_path / f"core{prompts}.json"
         assert main(["bench", "core", "--smoke", "--threads", "1", "--repeats", "2", "--batch-sizes", "1",
                      "--prompts", prompts, "--json", str(path)]) == 0
-        (row,) = json.loads(path.read_text())["rows"]
+        report = json.loads(path.read_text())
+        assert report["config"]["order"] == "balanced"  # the default method order, recorded
+        (row,) = report["rows"]
         fr, secs = row["fastest_round"], row["seconds_per_round"]
         assert len(secs["auto"]) == 2 and row["prompt_sets"] == min(int(prompts), 2)  # sets the timed rounds ran
         want = fastest(secs["plain"]) / fastest(secs["auto"])

@@ -49,21 +49,51 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
-def _interleaved(methods: dict, repeats: int, samples: dict | None = None):
-    """Time each method `repeats` times in rounds (A, B, C, C, B, A, A, ...) after a warm-up
-    round, so slow drifts of the machine hit every method alike; returns medians. Pass a dict
-    as `samples` to get every round's seconds per method too (for paired per-round ratios)."""
+def _interleaved(methods: dict, repeats: int, samples: dict | None = None, order: str = "alternate"):
+    """Time each method `repeats` times in rounds after a warm-up round, so slow drifts of the
+    machine hit every method alike; returns medians. Pass a dict as `samples` to get every
+    round's seconds per method too (for paired per-round ratios).
+
+    `order="alternate"`: rounds run A B C, C B A, A B C, ... (a method's neighbours are always
+    the same two). `order="balanced"`: round r runs row r of a Williams design over the
+    methods (`williams_rows`), so a method follows a different one in each of the first
+    n - 1 rounds (n even) and, over a full cycle of rows, every other method equally often:
+    a method whose speed depends on what ran before it (the allocator's state after a call
+    with larger buffers, say) is not favoured or handicapped by where the list put it."""
+    if order not in ("alternate", "balanced"):
+        raise ValueError(f"order must be 'alternate' or 'balanced', got {order!r}")
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
     rounds = {} if samples is None else samples
     rounds.update({name: [] for name in methods})
-    order = list(methods.items())
+    items = list(methods.items())
+    rows = williams_rows(len(items)) if order == "balanced" else [list(range(len(items))),
+                                                                 list(range(len(items)))[::-1]]
     for r in range(repeats):
-        # Odd rounds run in reverse order, so no method always follows the same neighbour.
-        for name, fn in (order if r % 2 == 0 else order[::-1]):
+        for i in rows[r % len(rows)]:
+            name, fn = items[i]
             t0 = time.perf_counter()
             outs[name] = fn()
             rounds[name].append(time.perf_counter() - t0)
     return {name: statistics.median(v) for name, v in rounds.items()}, outs
+
+
+def williams_rows(n: int) -> list[list[int]]:
+    """A Williams design (Williams 1949, "Experimental designs balanced for the estimation of
+    residual effects of treatments"): orders of 0..n-1 in which every ordered pair (a, b) has
+    b run right after a equally often: once over the n rows for even n, twice over the 2n rows
+    (each row and its reverse) for odd n. Row r is the base row 0, 1, n-1, 2, n-2, ... plus r
+    (mod n)."""
+    if n < 1:
+        raise ValueError(f"need at least one method, got {n}")
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
 def _cycling(fn, count: int):

@@ -55,6 +55,10 @@ class DraftLengthBench:
     threads: int | None = None
     pair: PairConfig = field(default_factory=PairConfig)
     prompts: int = 3
+    # Method order within rounds (`mmspec.bench.core._interleaved`): "balanced" since session 50;
+    # the earlier reports ran "alternate" (A B C, C B A, ...), where `auto` always came right
+    # after K = 6 or first, and mmspec's plain decoding after `generate` in every other round.
+    order: str = "balanced"
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.pairs if p not in PAIRS]
@@ -69,6 +73,8 @@ class DraftLengthBench:
         if not self.fixed_k or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.k_max
                                    for k in self.fixed_k):
             raise ValueError(f"fixed_k must be ints in 1..k_max={self.k_max} (K = 0 is the plain rows), got {self.fixed_k}")
+        if self.order not in ("balanced", "alternate"):
+            raise ValueError(f"order must be 'balanced' or 'alternate', got {self.order!r}")
 
 
 def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
@@ -108,10 +114,10 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             if B == 1:  # transformers' assisted generation, as shipped (its default schedule)
                 fns["assisted"] = lambda j: target.generate(**gens[j], assistant_model=drafter)
             methods = {name: _cycling(fn, config.prompts) for name, fn in fns.items()}
-            progress(f"  batch {B}: {len(methods)} methods, interleaved, {config.repeats} rounds over "
+            progress(f"  batch {B}: {len(methods)} methods, interleaved ({config.order}), {config.repeats} rounds over "
                      f"{config.prompts} prompt set{'s' if config.prompts > 1 else ''}")
             rounds: dict[str, list[float]] = {}
-            _interleaved(methods, config.repeats, rounds)  # the warm-up round also trains auto
+            _interleaved(methods, config.repeats, rounds, order=config.order)  # the warm-up round also trains auto
             outs = {name: m.outs[config.repeats % config.prompts] for name, m in methods.items()}  # the last round's
             timed_sets = min(config.repeats, config.prompts)  # sets 1, 2, ... (mod prompts) the rounds ran
             times = {name: _workload_seconds(v, config.prompts) for name, v in rounds.items()}
@@ -281,7 +287,9 @@ def format_row(row: dict) -> str:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"device: {report['info']['device']}, {report['info']['threads']} threads"]
+    # Reports from before session 50 carry no `order`: they ran "alternate".
+    order = report.get("config", {}).get("order", "alternate")
+    lines = [f"device: {report['info']['device']}, {report['info']['threads']} threads, method order {order}"]
     for name, p in report["info"]["pairs"].items():
         lines.append(f"pair {name}: greedy agreement {p['greedy_agreement']:.0%} (perturbation {p['perturbation']}), "
                      f"kernels {p['kernels']}")
@@ -310,6 +318,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--prompts", type=int, default=3,
                    help="prompt sets each cell cycles through, one per round (default 3; 1: one prompt, as before)")
+    p.add_argument("--order", choices=("balanced", "alternate"), default="balanced",
+                   help="method order within rounds: balanced (a Williams design: every method follows every other "
+                        "equally often; default) or alternate (A B C, C B A, ...: the order of reports before session 50)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the suite runs)")
     p.add_argument("--json", default=None)
     p.add_argument("--analyse", default=None, nargs="+", metavar="REPORT.json",
@@ -330,7 +341,7 @@ def main(argv: list[str]) -> int:
     try:
         config = DraftLengthBench(pairs=tuple(a.pairs.split(",")), batch_sizes=a.batch_sizes, fixed_k=a.fixed_k,
                                   k_max=a.k_max, max_new_tokens=a.max_new_tokens, repeats=a.repeats,
-                                  threads=a.threads, pair=pair, prompts=a.prompts)
+                                  threads=a.threads, pair=pair, prompts=a.prompts, order=a.order)
     except ValueError as e:
         raise SystemExit(f"mmspec bench core: {e}") from None
     report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
