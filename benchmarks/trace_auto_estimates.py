@@ -5,7 +5,7 @@ Session 46 on the 2-core Xeon VM (`python benchmarks/trace_auto_estimates.py ben
 took over, its 1-row verify of 5 tokens fell from 32.6 to 25.9 ms over four requests (the VM sped up)
 while the shapes of K = 2 and 3, last read in the slower phase, kept 37.6 and 39.1 ms; the ranking
 put K = 3 at 0.62 of K = 4. Estimates of shapes read at different times carry the machine's phase
-of that time (docs/architecture.md, "Adaptive draft length").
+of that time (docs/adaptive.md).
 
     python benchmarks/trace_auto_estimates.py PAIR BATCH CALLS      (PAIR: weak, bench or strong)
 """

@@ -24,7 +24,7 @@ Model (per step, B active rows, K drafts per row):
   independent rows project 37).
   Rows that are done leave the batch: between two rows' expected finishes a step costs what a
   step of the rows still running costs (measured per row count, or from the fitted lines).
-  docs/architecture.md gives the history of this projection and what each version measured.
+  docs/adaptive.md gives the history of this projection and what each version measured.
   At batch 1 the ranking is that of tokens per second, less the last step's overshoot.
 - `a_j` are running estimates with forgetting (recent outcomes weigh more), so speculation
   switches itself off when acceptance drops and back on when it recovers. They forget per draft
@@ -35,7 +35,7 @@ Model (per step, B active rows, K drafts per row):
   draft, so while plain the recent rates relax upward toward long-run ones (512 outcomes per
   position, ~30 steps): a run of rejections (or noise) that switched speculation off would
   otherwise hold until a probe, and one probe judges one step's drafts (replayed without the
-  models: benchmarks/auto_sim.py, docs/architecture.md).
+  models: benchmarks/auto_sim.py, docs/adaptive.md).
 - `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
   (the plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half,
   except a much cheaper second reading while one-time costs are undecided: see `mmspec/step_costs.py`)
@@ -110,7 +110,7 @@ class DraftLengthController:
     # estimate, clipped to +-`phase_band` so that one interference spike moves every estimate by
     # at most ~1.4%. Replayed without the models (benchmarks/auto_sim.py, 336 runs a setting):
     # runs below 0.95x K* without phases 13 -> 15, with sd 15% / 100 steps 55 -> 40, sd 30% /
-    # 200 steps 74 -> 45 (docs/architecture.md, "Adaptive draft length"). `phase_rate=0` in the
+    # 200 steps 74 -> 45 (docs/adaptive.md). `phase_rate=0` in the
     # constructor turns it off.
     phase_rate = 0.1
     phase_band = math.log(1.15)
