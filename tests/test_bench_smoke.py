@@ -148,6 +148,13 @@ def test_bench_core_fastest_round_figures(tmp_path):
         (row,) = report["rows"]
         fr, secs = row["fastest_round"], row["seconds_per_round"]
         assert len(secs["auto"]) == 2 and row["prompt_sets"] == min(int(prompts), 2)  # sets the timed rounds ran
+        calls = row["auto_per_call"]  # the warm-up call and the 2 timed ones
+        assert all(len(v) == 3 for v in calls.values())
+        assert all(0 <= p <= n for p, n in zip(calls["plain_steps"], calls["steps"]))
+        # The last call's entry agrees with the row's histogram of that call.
+        hist = row["auto_k_histogram"]
+        assert calls["steps"][-1] == sum(hist.values()) and calls["plain_steps"][-1] == hist.get("0", 0)
+        assert abs(calls["mean_k"][-1] - sum(int(k) * n for k, n in hist.items()) / sum(hist.values())) <= 0.005
         want = fastest(secs["plain"]) / fastest(secs["auto"])
         # The JSON's seconds are rounded to 0.1 ms (a smoke call takes a few ms), the ratio to 1e-3.
         rounding = want * (1e-4 / fastest(secs["plain"]) + 1e-4 / fastest(secs["auto"])) + 0.5e-3

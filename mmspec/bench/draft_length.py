@@ -111,6 +111,14 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
             for name, d in drafters.items():
                 fns[name] = lambda j, d=d: mmspec.speculative_generate(
                     t_wrap, d, *sets[j], temperature=0, max_new_tokens=N, pad_token_id=0)
+            auto_calls: list[list] = []  # per call, the warm-up first: [mean K, plain steps, steps]
+
+            def auto_fn(j, run=fns["auto"]):
+                out = run(j)
+                ks = out.stats.nodes_per_step
+                auto_calls.append([round(sum(ks) / len(ks), 2) if ks else 0.0, ks.count(0), len(ks)])
+                return out
+            fns["auto"] = auto_fn
             if B == 1:  # transformers' assisted generation, as shipped (its default schedule)
                 fns["assisted"] = lambda j: target.generate(**gens[j], assistant_model=drafter)
             methods = {name: _cycling(fn, config.prompts) for name, fn in fns.items()}
@@ -131,6 +139,11 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                 "auto_vs_plain": round(tps["auto"] / tps["plain"], 3),
                 "auto_k_histogram": _histogram(auto_stats.nodes_per_step),
                 "auto_mean_accepted_length": round(auto_stats.mean_accepted_length, 3),
+                # Every call's choices (the histogram above is the last call's): what auto did in
+                # each round, to tell a controller that switched off for the whole cell from one
+                # that did so in a round or two.
+                "auto_per_call": {"mean_k": [c[0] for c in auto_calls], "plain_steps": [c[1] for c in auto_calls],
+                                  "steps": [c[2] for c in auto_calls]},
                 "identical_to_plain": all(torch.equal(methods[n].outs[j].sequences, methods["plain"].outs[j])
                                           for j in methods["plain"].outs for n in [*drafters, "mmspec plain"]),
                 "prompt_sets": timed_sets,
