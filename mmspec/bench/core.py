@@ -49,6 +49,9 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
+ORDERS = ("alternate", "balanced")  # method orders within rounds (`_interleaved`)
+
+
 def _interleaved(methods: dict, repeats: int, samples: dict | None = None, order: str = "alternate"):
     """Time each method `repeats` times in rounds after a warm-up round, so slow drifts of the
     machine hit every method alike; returns medians. Pass a dict as `samples` to get every
@@ -60,8 +63,8 @@ def _interleaved(methods: dict, repeats: int, samples: dict | None = None, order
     n - 1 rounds (n even) and, over a full cycle of rows, every other method equally often:
     a method whose speed depends on what ran before it (the allocator's state after a call
     with larger buffers, say) is not favoured or handicapped by where the list put it."""
-    if order not in ("alternate", "balanced"):
-        raise ValueError(f"order must be 'alternate' or 'balanced', got {order!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
     rounds = {} if samples is None else samples
     rounds.update({name: [] for name in methods})

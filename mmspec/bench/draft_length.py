@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mmspec.bench.core import _cycling, _interleaved, _prompts
+from mmspec.bench.core import ORDERS, _cycling, _interleaved, _prompts
 from mmspec.bench.core_pooled import format_pooled, log_interval, pool
 from mmspec.bench.pair import PairConfig, build_pair, greedy_agreement
 from mmspec.cli_types import positive_int
@@ -73,7 +73,7 @@ class DraftLengthBench:
         if not self.fixed_k or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.k_max
                                    for k in self.fixed_k):
             raise ValueError(f"fixed_k must be ints in 1..k_max={self.k_max} (K = 0 is the plain rows), got {self.fixed_k}")
-        if self.order not in ("balanced", "alternate"):
+        if self.order not in ORDERS:
             raise ValueError(f"order must be 'balanced' or 'alternate', got {self.order!r}")
 
 
@@ -331,7 +331,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--prompts", type=int, default=3,
                    help="prompt sets each cell cycles through, one per round (default 3; 1: one prompt, as before)")
-    p.add_argument("--order", choices=("balanced", "alternate"), default="balanced",
+    p.add_argument("--order", choices=ORDERS, default="balanced",
                    help="method order within rounds: balanced (a Williams design: every method follows every other "
                         "equally often; default) or alternate (A B C, C B A, ...: the order of reports before session 50)")
     p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the suite runs)")
