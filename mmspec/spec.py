@@ -49,6 +49,9 @@ class ForwardSpec:
     compilable: bool = True
     # Positions a learned absolute position table can index (GPT-2's 1024); None: no such bound.
     max_positions: int | None = None
+    # Set by the runner: eager CPU step forwards may choose their attention form by measurement
+    # (mmspec/cpu_attention.py); specs that support it read this flag.
+    cpu_attention: bool = False
 
     # ---- per request -----------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
@@ -120,6 +123,7 @@ class SpecRunner:
         # CUDA eager forwards (prefill and steps): the attention backends measured fastest on fresh
         # shapes (mmspec/attention_choice.py), resolved at prefill; None leaves torch's choice alone.
         self.attention = check_mode(attention)
+        spec.cpu_attention = self.attention == "auto" and not (static or compile is not None)
         self._sdpa: list | None = None
         self.kv: RaggedKV | None = None
         self.features = FeatureRequest()

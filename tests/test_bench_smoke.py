@@ -22,11 +22,25 @@ def test_bench_smoke(tmp_path, capsys):
     assert "mmspec" in capsys.readouterr().out
 
 
+@pytest.mark.cpu_attention  # the measured CPU attention choice, reported in the header (tests/conftest.py)
 def test_bench_core_smoke(tmp_path):
-    """`mmspec bench core --smoke`: auto and fixed K rows, outputs identical to plain."""
+    """`mmspec bench core --smoke`: auto and fixed K rows, outputs identical to plain; the
+    report names the attention forms mmspec's step forwards kept."""
+    from mmspec import cpu_attention
+    from mmspec.bench.draft_length import format_table
+
+    cpu_attention.reset()
     path = tmp_path / "core.json"
     assert main(["bench", "core", "--smoke", "--threads", "1", "--json", str(path)]) == 0
-    rows = json.loads(path.read_text())["rows"]
+    report = json.loads(path.read_text())
+    attn = report["info"]["cpu_attention"]
+    assert attn["classes"], "the batch-2 verify forwards were measured"
+    assert all(c["form"] in cpu_attention.FORMS and c["rows"] <= 2 for c in attn["classes"])
+    kept = sum(c["form"] == "matmul" for c in attn["classes"])
+    assert attn["summary"].startswith(f"matmul in {kept} of {len(attn['classes'])} shape classes")
+    assert f"mmspec step attention on CPU: {attn['summary']}" in format_table(report)
+    cpu_attention.reset()
+    rows = report["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:
         assert r["identical_to_plain"] and {"plain", "mmspec plain", "auto", "K=1", "K=2"} <= set(r["tokens_per_s"])

@@ -176,7 +176,11 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                                                 for j in methods["plain"].outs)
             rows.append(row)
             progress("    " + format_row(row))
-    info = {"device": "cpu", "threads": torch.get_num_threads(), "pairs": pairs_info}
+    from mmspec import cpu_attention
+
+    info = {"device": "cpu", "threads": torch.get_num_threads(), "pairs": pairs_info,
+            # the attention forms mmspec's step forwards measured and kept (mmspec/cpu_attention.py)
+            "cpu_attention": {"summary": cpu_attention.describe(), "classes": cpu_attention.choices()}}
     return {"info": info, "config": asdict(config), "rows": rows}
 
 
@@ -306,6 +310,8 @@ def format_table(report: dict) -> str:
     for name, p in report["info"]["pairs"].items():
         lines.append(f"pair {name}: greedy agreement {p['greedy_agreement']:.0%} (perturbation {p['perturbation']}), "
                      f"kernels {p['kernels']}")
+    if "cpu_attention" in report["info"]:  # reports from before session 51 have none
+        lines.append(f"mmspec step attention on CPU: {report['info']['cpu_attention']['summary']}")
     lines += [format_row(r) for r in report["rows"]]
     if report["rows"]:
         lines.append(format_resolution(resolution(report["rows"])))

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mmspec.models.hf_attention import attention_configs, hf_selected
 from mmspec.models.hf_cache import RaggedCache, cache_argument
 from mmspec.models.hf_direct import DirectDecoder, check_layer_range, direct_supported
 from mmspec.models.prepack import for_rows, mixed_source
@@ -112,6 +113,7 @@ class HFSpec(ForwardSpec):
         # Step forwards of whitelisted decoder-only families skip the model-level wrappers
         # (mmspec/models/hf_direct.py); None: always the model's own forward.
         self._direct = DirectDecoder(source) if direct_supported(source) else None
+        self._attn_configs = None  # (module tree, its attention configs), see `_attention_configs`
 
     # ---- pieces shared with drafters -----------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -205,6 +207,14 @@ class HFSpec(ForwardSpec):
         keep = 1 if last_only else 0
         direct = self._direct
         run = for_rows(self.model, tokens.numel())  # this forward's faster kernel (the model or its packed view)
+        if mask is not None and self.cpu_attention and direct is not None and tokens.device.type == "cpu":
+            configs = self._attention_configs(run)
+            if configs:  # the attention form measured fastest for these shapes (mmspec/cpu_attention.py)
+                with hf_selected(configs):
+                    return self._step(run, direct, tokens, mask, positions, kv, features, keep)
+        return self._step(run, direct, tokens, mask, positions, kv, features, keep)
+
+    def _step(self, run, direct, tokens, mask, positions, kv, features, keep) -> SpecOutput:
         # Step forwards carry no images, so a request for image features returns None either way.
         if direct is not None and type(kv) is RaggedKV and direct.usable(run):
             logits, hidden, layers = direct.forward(
@@ -213,6 +223,16 @@ class HFSpec(ForwardSpec):
             return SpecOutput(logits=logits, hidden=hidden, layers=layers, image_features=None,
                               positions=positions if features.positions else None)
         return self._run(tokens, mask, positions, kv, features, keep=keep, model_inputs={})
+
+    def _attention_configs(self, run) -> list:
+        """The configs the decoder's attention modules of `run` read (cached per module tree;
+        re-checked per step, since a user may switch the implementation between calls), or []
+        when they do not all run "sdpa"."""
+        cached = self._attn_configs
+        if cached is None or cached[0] is not run:
+            cached = self._attn_configs = (run, attention_configs(self._direct.base(run)))
+        configs = cached[1]
+        return configs if all(c._attn_implementation_internal == "sdpa" for c in configs) else []
 
     def prefill_positions(self, attention: Attention) -> torch.Tensor:
         """Model positions of the prompt (M-RoPE specs compute them from the image grids)."""

@@ -1,0 +1,195 @@
+"""The CPU attention choice (mmspec/cpu_attention.py, mmspec/models/hf_attention.py): the plain
+form computes what torch's fused kernel computes (grouped-query heads, additive masks with fully
+masked keys, strided inputs, half precision); a shape class is decided from paired timings and
+keeps the faster form; ineligible inputs never take part; in transformers models it runs only
+inside step forwards with attention="auto", leaves the model's configuration as it found it,
+and greedy speculative decoding through it equals the model's own greedy decoding."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mmspec
+from mmspec import cpu_attention as ca
+from mmspec.drafters import ModelDrafter
+from mmspec.models.hf_target import HFTarget
+
+from conftest import left_padded, noisy_copy, tiny_llama
+
+
+pytestmark = pytest.mark.cpu_attention  # the measured choice, not torch's form (tests/conftest.py)
+
+
+@pytest.fixture(autouse=True)
+def fresh_decisions():
+    ca.reset()
+    yield
+    ca.reset()
+
+
+def additive_mask(B, Q, S, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    vis = torch.rand(B, 1, Q, S, generator=g) < 0.7
+    vis[..., -1] = True  # every query sees a key ...
+    vis[0, 0, 0] = False  # ... but one: a fully masked query (uniform over keys, as in sdpa)
+    return torch.zeros(B, 1, Q, S, dtype=dtype).masked_fill(~vis, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_plain_form_matches_torch_sdpa(heads, kv_heads):
+    g = torch.Generator().manual_seed(1)
+    B, Q, S, D = 3, 5, 11, 8
+    # queries strided as in transformers ([B, Q, H, D] transposed), keys a slice of a longer buffer
+    q = torch.randn(B, Q, heads, D, generator=g, dtype=torch.float64).transpose(1, 2)
+    buf = torch.randn(2, B, kv_heads, S + 4, D, generator=g, dtype=torch.float64)
+    k, v = buf[0, :, :, :S], buf[1, :, :, :S]
+    mask = additive_mask(B, Q, S, torch.float64)
+    rep = heads // kv_heads
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          attn_mask=mask, scale=0.3)
+    got = ca.matmul_attention(q, k, v, mask, 0.3)
+    assert got.shape == (B, heads, Q, D)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(got[0, :, 0], v[0].repeat_interleave(rep, 0).mean(1), atol=1e-12), "fully masked: uniform"
+    # default scale 1/sqrt(D), no mask
+    torch.testing.assert_close(ca.matmul_attention(q, k, v, None),
+                               F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1),
+                                                              v.repeat_interleave(rep, 1)), rtol=1e-12, atol=1e-12)
+
+
+def test_plain_form_in_bfloat16_is_close_to_float32():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 3, 16, generator=g) for _ in range(3))
+    for half in (torch.bfloat16, torch.float16):
+        mask = additive_mask(2, 3, 3, half)  # its own dtype's most negative value, as mmspec builds it
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.float())
+        got = ca.matmul_attention(q.to(half), k.to(half) * 30, v.to(half), mask, scale=0.25 / 30)  # large scores
+        assert got.dtype == half and torch.isfinite(got).all(), half
+        torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        ca.matmul_attention(torch.zeros(1, 3, 1, 4), torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), None)
+
+
+def inputs(B=2, Q=3, S=7, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, 2, n, 4, generator=g, dtype=dtype) for n in (Q, S, S))
+    return q, k, v, additive_mask(B, Q, S, dtype)
+
+
+def test_a_shape_class_keeps_the_faster_form(monkeypatch):
+    q, k, v, mask = inputs()
+    sentinel = torch.zeros(1)
+
+    def slow_torch():
+        time.sleep(0.003)
+        return sentinel
+
+    outs = [ca.attend(q, k, v, mask, None, slow_torch) for _ in range(ca.SAMPLES)]
+    assert all(o is sentinel for o in outs), "while a class is measured, torch's result is returned"
+    [choice] = ca.choices()
+    assert choice["form"] == "matmul" and choice["matmul_over_sdpa"] < ca.MARGIN
+    assert (choice["rows"], choice["queries"], choice["keys"], choice["heads"], choice["kv_heads"]) == (2, 4, 8, 2, 2)
+    out = ca.attend(q, k, v, mask, None, slow_torch)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert "matmul in 1 of 1" in ca.describe()
+
+    # Another class (more rows) where the plain form is the slow one keeps torch's.
+    q2, k2, v2, mask2 = inputs(B=5)
+    real = ca.matmul_attention
+
+    def slow_plain(*a, **kw):
+        time.sleep(0.003)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ca, "matmul_attention", slow_plain)
+    for _ in range(ca.SAMPLES + 2):
+        assert ca.attend(q2, k2, v2, mask2, None, lambda: sentinel) is sentinel
+    forms = {c["rows"]: c["form"] for c in ca.choices()}
+    assert forms == {2: "matmul", 8: "sdpa"}
+
+
+def test_eligibility_and_forcing():
+    q, k, v, mask = inputs()
+    assert ca.eligible(q, mask)
+    assert not ca.eligible(q, None), "one-token forwards without a mask stay on torch's path"
+    assert not ca.eligible(q, mask > 0), "boolean masks are not taken"
+    assert not ca.eligible(q, mask[:, :, None]), "only [B, 1, Q, S] masks"
+    assert not ca.eligible(q.requires_grad_(), mask)
+    q = q.detach()
+    q64, k64, v64, mask64 = inputs(dtype=torch.float64)
+    assert not ca.eligible(q64, mask64), "float64 keeps torch's path unless forced"
+    with ca.forced("matmul"):
+        assert ca.eligible(q64, mask64)
+        out = ca.attend(q64, k64, v64, mask64, None, lambda: pytest.fail("forced matmul ran torch's path"))
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask64))
+        with ca.forced("sdpa"):
+            assert ca.attend(q64, k64, v64, mask64, None, lambda: "torch") == "torch"
+        assert ca._FORCED[0] == "matmul"
+    assert ca._FORCED[0] is None and ca.choices() == []
+    with pytest.raises(ValueError, match="form must be one of"):
+        with ca.forced("flash"):
+            pass
+
+
+def counting_matmul(monkeypatch):
+    calls = {"n": 0}
+    real = ca.matmul_attention
+
+    def counted(*a, **kw):
+        calls["n"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ca, "matmul_attention", counted)
+    return calls
+
+
+def test_hf_greedy_through_the_plain_form_equals_the_models_greedy(monkeypatch):
+    target = tiny_llama(layers=2, seed=0)  # float64, grouped-query heads (4 over 2)
+    drafter = noisy_copy(target, 0.3)
+    ids, mask = left_padded([9, 4, 7, 6])
+    want = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0,
+                           eos_token_id=None)
+    calls = counting_matmul(monkeypatch)
+    with ca.forced("matmul"):
+        out = mmspec.speculative_generate(HFTarget(target), ModelDrafter(drafter, 3), ids, mask, temperature=0,
+                                          max_new_tokens=12, pad_token_id=0)
+    assert calls["n"] > 0, "the plain form ran"
+    assert torch.equal(out.sequences, want)
+    assert target.config._attn_implementation == "sdpa", "the model's configuration is restored"
+    assert drafter.config._attn_implementation == "sdpa"
+
+
+def test_hf_attention_torch_and_other_implementations_never_take_part(monkeypatch):
+    target = tiny_llama(layers=2, seed=0)
+    ids, mask = left_padded([9, 4, 7])
+    calls = counting_matmul(monkeypatch)
+    with ca.forced("matmul"):
+        mmspec.speculative_generate(HFTarget(target, attention="torch"), ModelDrafter(noisy_copy(target, 0.3), 2,
+                                                                                        attention="torch"),
+                                    ids, mask, temperature=0, max_new_tokens=6, pad_token_id=0)
+        assert calls["n"] == 0
+        eager = tiny_llama(layers=2, seed=0)
+        eager.config._attn_implementation = "eager"
+        mmspec.speculative_generate(HFTarget(eager), ModelDrafter(noisy_copy(eager, 0.3), 2), ids, mask,
+                                    temperature=0, max_new_tokens=6, pad_token_id=0)
+        assert calls["n"] == 0, "a model on another attention implementation is left on it"
+        assert eager.config._attn_implementation == "eager"
+
+
+def test_hf_float32_batched_steps_are_measured_and_decided():
+    target = tiny_llama(layers=2, seed=0, dtype=torch.float32)
+    ids, mask = left_padded([9, 4, 7, 6, 5, 8, 3, 9])
+    out = mmspec.speculative_generate(HFTarget(target), ModelDrafter(noisy_copy(target, 0.3), 3), ids, mask,
+                                      temperature=0, max_new_tokens=16, pad_token_id=0)
+    made = ca.choices()
+    assert made, "the batched verify forwards were measured"
+    assert {c["dtype"] for c in made} == {"float32"} and all(c["form"] in ca.FORMS for c in made)
+    assert all(c["queries"] >= 1 and c["rows"] <= 8 for c in made)
+    want = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0,
+                           eos_token_id=None)
+    # float32: the two forms agree to rounding, so tokens may only differ after a near-tie
+    assert (out.sequences == want).float().mean() > 0.9
