@@ -4,6 +4,9 @@
 synthetic inputs (8 heads of 64, an additive mask), per rows x queries x keys: microseconds per
 call, fastest of two runs of 200 calls each.
 
+`--imagegen BATCH`: the bundled testbed image pipeline (exact sampling, maximal-coupled Jacobi
+window 16, guidance 3, classes 0..BATCH-1, a fixed seed) the same way.
+
 `--e2e PAIR BATCH K`: `mmspec.speculative_generate` on a `mmspec bench core` pair with the
 measured choice against the same code with torch's form forced, interleaved (the order flips
 every round), three prompt sets cycled, the first three rounds not timed; prints the median
@@ -12,10 +15,11 @@ ratio of times (chosen / torch's) and its range, and the classes decided.
 Session 51 (2-core Xeon VM, 2 threads; docs/architecture.md, "Attention on CPU"): plain/fused
 time at 34-90 keys 0.4-0.8x at 4-16 rows and 2-9 queries, 1.2-2.7x at one row; end to end
 (15 rounds) batch 16 K = 2 0.95x, 81% pair batch 16 K = 3 0.96x, batch 4 K = 2 0.96x, batch 8
-K = 2 1.01x, batch 1 K = 3 1.00x.
+K = 2 1.01x, batch 1 K = 3 1.00x; the image pipeline 1.01x at batch 8, 1.00x at batch 1.
 
     python benchmarks/cpu_attention.py --forms
     python benchmarks/cpu_attention.py --e2e bench 16 2 [--rounds 15]
+    python benchmarks/cpu_attention.py --imagegen 8 [--rounds 7]
 """
 import argparse
 import statistics
@@ -29,6 +33,7 @@ from mmspec import cpu_attention as ca
 ap = argparse.ArgumentParser()
 ap.add_argument("--forms", action="store_true")
 ap.add_argument("--e2e", nargs=3, metavar=("PAIR", "BATCH", "K"))
+ap.add_argument("--imagegen", type=int, metavar="BATCH", help="the bundled image pipeline, exact Jacobi, BATCH images")
 ap.add_argument("--rounds", type=int, default=15)
 ap.add_argument("--threads", type=int, default=2)
 args = ap.parse_args()
@@ -92,3 +97,25 @@ if args.e2e:
     for c in ca.choices():
         print(f"    rows<={c['rows']} queries<={c['queries']} keys<={c['keys']}: {c['form']} "
               f"(plain/fused {c['matmul_over_sdpa']})")
+
+if args.imagegen:
+    from mmspec.drafters import JacobiDrafter
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    pipe = SpeculativeARImagePipeline.from_pretrained("assets/testbed/imagegen")
+    pipe.set_progress_bar_config(disable=True)
+    labels = list(range(args.imagegen))
+    times = {"torch": [], "chosen": []}
+    for r in range(args.rounds):
+        for name in (("torch", "chosen") if r % 2 else ("chosen", "torch")):
+            pipe.drafter = JacobiDrafter(window=16, coupling="maximal")
+            with ca.forced("sdpa" if name == "torch" else None):
+                t0 = time.perf_counter()
+                out = pipe(labels, guidance_scale=3.0, generator=torch.Generator().manual_seed(r), output_type="np")
+                if r >= 1:
+                    times[name].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(times["chosen"], times["torch"])]
+    print(f"imagegen batch {args.imagegen}: chosen/torch time median {statistics.median(ratios):.3f} "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds; torch's form "
+          f"{statistics.median(times['torch']):.2f} s a call)")
+    print("  " + ca.describe())

@@ -25,7 +25,8 @@ precision inputs, as transformers' eager attention does; grouped-query heads sha
 and value heads without copies (query head h reads kv head h // group, as `repeat_kv`). The
 two forms agree to rounding; which one ran is in `choices()` for benchmarks to report.
 `HFTarget(..., attention="torch")` / `ModelDrafter(..., attention="torch")` never use it.
-transformers models reach it through mmspec/models/hf_attention.py.
+transformers models reach it through mmspec/models/hf_attention.py, mmspec's LlamaGen GPT
+through `LlamaGenSpec` (an `attend` function handed to its layers).
 """
 
 from __future__ import annotations

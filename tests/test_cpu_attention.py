@@ -193,3 +193,51 @@ def test_hf_float32_batched_steps_are_measured_and_decided():
                            eos_token_id=None)
     # float32: the two forms agree to rounding, so tokens may only differ after a near-tie
     assert (out.sequences == want).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_llamagen_greedy_with_cfg_through_the_plain_form_equals_the_plain_sampler(monkeypatch, kv_heads):
+    """mmspec's LlamaGen GPT: speculative greedy decoding with CFG (batch of 4 mixed classes,
+    float64, a tree and a chain drafter) through the plain form equals the plain sampler's."""
+    from mmspec.models.llamagen_spec import LlamaGenSpec, llamagen_target
+
+    from _llamagen_helpers import LABELS, noisy_gpt, plain_greedy, tiny_gpt
+
+    gpt = tiny_gpt(0, kv_heads=kv_heads)
+    ref = plain_greedy(gpt, scale=3.0)
+    calls = counting_matmul(monkeypatch)
+    for drafter in (ModelDrafter(LlamaGenSpec(noisy_gpt(gpt, 0.3)), 3),
+                    ModelDrafter(LlamaGenSpec(noisy_gpt(gpt, 0.3)), tree=mmspec.TreeConfig(depth=3, top_k=2,
+                                                                                         num_nodes=6))):
+        with ca.forced("matmul"):
+            out = mmspec.speculative_generate(llamagen_target(gpt, 3.0, num_tokens=16), drafter, LABELS.view(-1, 1),
+                                              temperature=0, max_new_tokens=16)
+        assert torch.equal(out.sequences[:, 1:], ref)
+    assert calls["n"] > 0, "the plain form ran"
+
+
+def test_llamagen_float32_steps_are_measured_and_training_never_takes_part():
+    from mmspec.models.llamagen_spec import LlamaGenSpec, llamagen_target
+
+    from _llamagen_helpers import LABELS, noisy_gpt, tiny_gpt
+
+    gpt = tiny_gpt(0, dtype=torch.float32)
+    mmspec.speculative_generate(llamagen_target(gpt, 3.0, num_tokens=16),
+                                ModelDrafter(LlamaGenSpec(noisy_gpt(gpt, 0.3)), 3), LABELS.view(-1, 1),
+                                temperature=1.0, max_new_tokens=16, generator=torch.Generator().manual_seed(0))
+    made = ca.choices()
+    assert made and {c["rows"] for c in made} <= {1, 2, 4, 8}, "CFG doubles the 4 rows"
+    # A layer takes the caller's `attend` in eval mode only; training runs torch's form.
+    x = torch.randn(2, 5, gpt.args.dim)
+    freqs = gpt.freqs_at(torch.arange(5).expand(2, 5))
+    asked = []
+
+    def attend(q, k, v, torch_path):
+        asked.append(q.shape)
+        return torch_path()
+
+    gpt.backbone(x, freqs, attend=attend)
+    assert len(asked) == gpt.args.n_layer
+    gpt.train()
+    gpt.backbone(x.requires_grad_(), freqs, attend=attend).sum().backward()
+    assert len(asked) == gpt.args.n_layer, "train mode never asks for a form"

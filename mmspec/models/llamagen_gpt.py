@@ -251,7 +251,7 @@ class Attention(nn.Module):
         self.attn_dropout_p = cfg.attn_dropout_p
         self.resid_dropout = nn.Dropout(cfg.resid_dropout_p)
 
-    def forward(self, x, freqs, attn_mask, kv: Optional[KVFn], layer_idx: int) -> torch.Tensor:
+    def forward(self, x, freqs, attn_mask, kv: Optional[KVFn], layer_idx: int, attend=None) -> torch.Tensor:
         b, q_len, _ = x.shape
         kv_size = self.n_kv_head * self.head_dim
         xqk, xv = self.wqkv(x).split([self.dim + kv_size, kv_size], dim=-1)
@@ -263,12 +263,19 @@ class Attention(nn.Module):
             keys, values = kv(layer_idx, xk, xv)
         else:
             keys, values = xk, xv
-        rep = self.n_head // self.n_kv_head
-        if rep > 1:
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        mask = None if attn_mask is None else attn_mask.unsqueeze(1)  # [B, 1, Q, S]
-        out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask, is_causal=attn_mask is None,
-                                             dropout_p=self.attn_dropout_p if self.training else 0.0)
+
+        def torch_path():
+            k, v = keys, values
+            rep = self.n_head // self.n_kv_head
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            mask = None if attn_mask is None else attn_mask.unsqueeze(1)  # [B, 1, Q, S]
+            return F.scaled_dot_product_attention(xq, k, v, attn_mask=mask, is_causal=attn_mask is None,
+                                                  dropout_p=self.attn_dropout_p if self.training else 0.0)
+
+        # `attend(q, k, v, torch_path)`: a caller's choice of attention form for the same inputs
+        # (mmspec's step forwards on CPU: mmspec/cpu_attention.py); kv heads not repeated.
+        out = torch_path() if attend is None or self.training else attend(xq, keys, values, torch_path)
         return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(b, q_len, self.dim)))
 
 
@@ -295,8 +302,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
-    def forward(self, x, freqs, attn_mask, kv, layer_idx):
-        h = x + self.drop_path(self.attention(self.attention_norm(x), freqs, attn_mask, kv, layer_idx))
+    def forward(self, x, freqs, attn_mask, kv, layer_idx, attend=None):
+        h = x + self.drop_path(self.attention(self.attention_norm(x), freqs, attn_mask, kv, layer_idx, attend))
         return h + self.drop_path(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -375,17 +382,19 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         return self._freqs[positions]
 
     def backbone(self, x: torch.Tensor, freqs: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                 kv: Optional[KVFn] = None) -> torch.Tensor:
+                 kv: Optional[KVFn] = None, attend=None) -> torch.Tensor:
         """x [B, Q, dim] embeddings, freqs [B, Q, head_dim // 2, 2] -> hidden [B, Q, dim] after
         the final norm. kv=None: causal over the Q tokens (or ``attn_mask`` [B, Q, Q]); with a
-        ``kv`` callable, ``attn_mask`` [B, Q, S] (True = may attend) is required."""
+        ``kv`` callable, ``attn_mask`` [B, Q, S] (True = may attend) is required. ``attend``
+        (eval mode only): ``attend(q, k, v, torch_path)`` computes each layer's attention instead
+        of ``torch_path()`` (q [B, H, Q, hd], k / v [B, kv heads, S, hd])."""
         if kv is not None and attn_mask is None:
             raise ValueError("backbone(kv=...) needs attn_mask [B, Q, S] over the cache slots kv returns")
         if attn_mask is not None and attn_mask.dtype != torch.bool:
             raise TypeError(f"attn_mask must be a bool tensor (True = may attend), got {attn_mask.dtype}")
         h = x
         for i, layer in enumerate(self.layers):
-            h = layer(h, freqs, attn_mask, kv, i)
+            h = layer(h, freqs, attn_mask, kv, i, attend)
         return self.norm(h)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from mmspec import cpu_attention
 from mmspec.guided import GuidedTarget
 from mmspec.models.eval_mode import check_eval_mode
 from mmspec.models.llamagen_sample import check_guidance_scale
@@ -105,19 +106,30 @@ class LlamaGenSpec(ForwardSpec):
         freqs = gpt.freqs_at(positions)
         mask = attention.dense()
         update = lambda i, k, v: kv.update(i, k, v)  # noqa: E731
+        attend = self._attend(mask, x) if self.cpu_attention else None
         if not features.hidden_layers:
-            return gpt.backbone(x, freqs, mask, kv=update), {}
+            return gpt.backbone(x, freqs, mask, kv=update, attend=attend), {}
         wanted = {i % self.num_layers: i for i in features.hidden_layers}
         layers: dict[int, torch.Tensor] = {}
         h = x
         for i, layer in enumerate(gpt.layers):  # the GPT's own blocks, outputs kept where asked
-            h = layer(h, freqs, mask, update, i)
+            h = layer(h, freqs, mask, update, i, attend)
             if i in wanted:
                 layers[wanted[i]] = h
         return gpt.norm(h), layers
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return for_rows(self.gpt, hidden.numel() // hidden.shape[-1]).head(hidden)
+
+    def _attend(self, mask: torch.Tensor, x: torch.Tensor):
+        """This forward's attention by the form measured fastest for its shapes on CPU
+        (mmspec/cpu_attention.py), over one additive mask built for all layers; None where the
+        choice takes no part (GPU, float64 unless forced, autograd)."""
+        additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
+            ~mask, torch.finfo(x.dtype).min).unsqueeze(1)
+        if not cpu_attention.eligible(x, additive):
+            return None
+        return lambda q, k, v, torch_path: cpu_attention.attend(q, k, v, additive, None, torch_path)
 
     def prefill(
         self, input_ids: torch.Tensor, attention: Attention, kv: RaggedKV, model_inputs: dict[str, Any],
