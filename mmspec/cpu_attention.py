@@ -81,14 +81,16 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out.reshape(B, H, Q, v.shape[-1]) if g > 1 else out
 
 
+def takes_part(x: torch.Tensor) -> bool:
+    """Whether forwards on tensors like `x` (device, dtype, autograd) may take part; a cheap
+    check for callers that would otherwise build a mask for nothing."""
+    return x.device.type == "cpu" and not x.requires_grad and (_FORCED[0] is not None or x.dtype in _DTYPES)
+
+
 def eligible(q: torch.Tensor, mask) -> bool:
     """Inputs the choice takes part in (see the module docstring)."""
-    if q.device.type != "cpu" or q.requires_grad:
-        return False
-    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == q.dtype and mask.shape[1] == 1):
-        return False
-    forced = _FORCED[0]
-    return forced is not None or q.dtype in _DTYPES
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == q.dtype and mask.shape[1] == 1
+            and takes_part(q))
 
 
 def attend(q, k, v, mask, scale, torch_path) -> torch.Tensor:

@@ -122,8 +122,9 @@ def test_eligibility_and_forcing():
     q = q.detach()
     q64, k64, v64, mask64 = inputs(dtype=torch.float64)
     assert not ca.eligible(q64, mask64), "float64 keeps torch's path unless forced"
+    assert ca.takes_part(q) and not ca.takes_part(q64), "the mask-free check callers run before building a mask"
     with ca.forced("matmul"):
-        assert ca.eligible(q64, mask64)
+        assert ca.eligible(q64, mask64) and ca.takes_part(q64)
         out = ca.attend(q64, k64, v64, mask64, None, lambda: pytest.fail("forced matmul ran torch's path"))
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q64, k64, v64, attn_mask=mask64))
         with ca.forced("sdpa"):

@@ -124,11 +124,11 @@ class LlamaGenSpec(ForwardSpec):
     def _attend(self, mask: torch.Tensor, x: torch.Tensor):
         """This forward's attention by the form measured fastest for its shapes on CPU
         (mmspec/cpu_attention.py), over one additive mask built for all layers; None where the
-        choice takes no part (GPU, float64 unless forced, autograd)."""
+        choice takes no part (GPU, float64 unless forced, autograd), decided before any mask is built."""
+        if not cpu_attention.takes_part(x):
+            return None
         additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(
             ~mask, torch.finfo(x.dtype).min).unsqueeze(1)
-        if not cpu_attention.eligible(x, additive):
-            return None
         return lambda q, k, v, torch_path: cpu_attention.attend(q, k, v, additive, None, torch_path)
 
     def prefill(
