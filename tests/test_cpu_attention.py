@@ -3,7 +3,8 @@ form computes what torch's fused kernel computes (grouped-query heads, additive 
 masked keys, strided inputs, half precision); a shape class is decided from paired timings and
 keeps the faster form; ineligible inputs never take part; in transformers models it runs only
 inside step forwards with attention="auto", leaves the model's configuration as it found it,
-and greedy speculative decoding through it equals the model's own greedy decoding."""
+greedy speculative decoding through it equals the model's own greedy decoding, and exact
+sampling through it is distributed like the target (a transformers model; the image GPT with CFG)."""
 
 from __future__ import annotations
 
@@ -242,3 +243,50 @@ def test_llamagen_float32_steps_are_measured_and_training_never_takes_part():
     gpt.train()
     gpt.backbone(x.requires_grad_(), freqs, attend=attend).sum().backward()
     assert len(asked) == gpt.args.n_layer, "train mode never asks for a form"
+
+
+def test_hf_exact_sampling_through_the_plain_form_matches_the_enumerated_joint(monkeypatch):
+    """Exact speculative sampling with every verify forward on the plain form is distributed
+    like the target (chi-square against the enumerated joint of tokens 2 and 3, power checked
+    against the drafter's joint). This tiny model's tokens hardly depend on attention (an
+    unmasked verify moves the joint by ~2% total variation), so errors of the form itself are
+    the greedy test's to catch (it fails on a dropped mask or a 10% scale error); the image
+    GPT's test below also catches both."""
+    from test_core_sampling import V, chi_square_p, joint_23
+
+    target = tiny_llama(layers=2, seed=3, vocab=V, hidden=16)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    drafter = noisy_copy(target, 0.6, seed=9)
+    prompt = torch.tensor([[1, 5, 3, 6]])
+    n = 12000
+    calls = counting_matmul(monkeypatch)
+    with ca.forced("matmul"):
+        out = mmspec.speculative_generate(HFTarget(target), ModelDrafter(drafter, 3), prompt.expand(n, -1),
+                                          temperature=1.0, max_new_tokens=3, generator=torch.Generator().manual_seed(11))
+    assert calls["n"] > 0, "the plain form ran"
+    assert 0 < out.stats.accepted_drafts < out.stats.drafted_nodes
+    new = out.sequences[:, 4:]
+    counts = torch.zeros(V, V)
+    counts.index_put_((new[:, 1], new[:, 2]), torch.ones(n), accumulate=True)
+    sampling = mmspec.SamplingConfig(1.0, None)
+    assert chi_square_p(counts, joint_23(target, prompt, sampling), n) > 1e-4
+    assert chi_square_p(counts, joint_23(drafter, prompt, sampling), n) < 1e-4  # power
+
+
+def test_llamagen_exact_cfg_sampling_through_the_plain_form_matches_the_guided_joint(monkeypatch):
+    """The image GPT's verify forwards on the plain form: exact sampling with CFG and coupled
+    Jacobi drafts is distributed like guided plain sampling (power: the unguided joint fails)."""
+    from mmspec.drafters import JacobiDrafter
+
+    from test_core_sampling import chi_square_p
+    from test_jacobi_drafter import SAMPLES, SCALE, V, cfg_gpt, guided_joint, sample_counts
+
+    gpt = cfg_gpt()
+    calls = counting_matmul(monkeypatch)
+    with ca.forced("matmul"):
+        counts, stats = sample_counts(gpt, JacobiDrafter(3, "maximal", vocab_size=V))
+    assert calls["n"] > 0, "the plain form ran"
+    assert 0 < stats.accepted_drafts < stats.drafted_nodes
+    assert chi_square_p(counts, guided_joint(gpt, SCALE), SAMPLES) > 1e-4
+    assert chi_square_p(counts, guided_joint(gpt, 1.0), SAMPLES) < 1e-6
