@@ -135,7 +135,7 @@ def add_compare_command(sub) -> None:
     p.add_argument("b", help="another one (e.g. the --out of a train-vlm run)")
     _scene_options(p)
     p.set_defaults(func=cmd_compare_vlm)
-    p = sub.add_parser("eval-vlm", help="caption correctness and VQA accuracy of a testbed VLM, with 95% intervals")
+    p = sub.add_parser("eval-vlm", help="caption correctness and VQA accuracy of a testbed VLM, with 95%% intervals")
     p.add_argument("--model", default=None, help="a SpeculativeVLMPipeline folder (default: the bundled VLM)")
     _scene_options(p)
     p.set_defaults(func=cmd_eval_vlm)
