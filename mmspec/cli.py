@@ -50,6 +50,7 @@ def _bench_config(args):
         return BenchConfig(
             batch_sizes=args.batch_sizes, num_draft_tokens=args.draft_tokens, max_new_tokens=args.max_new_tokens,
             repeats=args.repeats, threads=args.threads, compare_kernels=not args.no_compare_kernels, pair=pair,
+            order=args.order,
         )
     except ValueError as e:
         raise SystemExit(f"mmspec {args.command}: {e}") from None
@@ -262,6 +263,9 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--no-compare-kernels", action="store_true",
                    help="run each method only on its library's default linear kernels (faster, no like-for-like rows)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    p.add_argument("--order", choices=("balanced", "alternate"), default="balanced",
+                   help="method order within rounds: balanced (every method follows every other equally often; "
+                        "default) or alternate (A B C, C B A, ...: the reports before session 52)")
     if not demo:
         p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the bench runs)")
         g = p.add_argument_group("imagegen")

@@ -20,6 +20,26 @@ def test_bench_smoke(tmp_path, capsys):
     assert all(r["identical_to_plain"] for r in rows)
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "mmspec" in capsys.readouterr().out
+    assert report["info"]["order"] == report["config"]["order"] == "balanced"  # the default since session 52
+
+
+def test_bench_runs_methods_in_the_order_asked(monkeypatch, tmp_path):
+    from mmspec.bench import core
+
+    seen = []
+    real = core._interleaved
+
+    def spy(methods, repeats, samples=None, order="alternate"):
+        seen.append(order)
+        return real(methods, repeats, samples, order)
+
+    monkeypatch.setattr(core, "_interleaved", spy)
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--smoke", "--threads", "1", "--order", "alternate", "--json", str(path)]) == 0
+    assert seen == ["alternate", "alternate"]  # one interleaved block per batch size
+    assert json.loads(path.read_text())["info"]["order"] == "alternate"
+    with pytest.raises(ValueError, match="order must be one of"):
+        core.BenchConfig(order="random")
 
 
 @pytest.mark.cpu_attention  # the measured CPU attention choice, reported in the header (tests/conftest.py)

@@ -25,6 +25,9 @@ from mmspec.bench.pair import PairConfig, build_pair, count_parameters, greedy_a
 from mmspec.models.hf_target import HFTarget
 
 
+ORDERS = ("alternate", "balanced")  # method orders within rounds (`_interleaved`)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     batch_sizes: tuple[int, ...] = (1, 8)
@@ -35,6 +38,9 @@ class BenchConfig:
     threads: int | None = None
     compare_kernels: bool = True  # also run every method on the other linear kernels
     pair: PairConfig = field(default_factory=PairConfig)
+    # Method order within rounds (`_interleaved`): "balanced" since session 52 (a Williams design,
+    # as `mmspec bench core` since session 50); the earlier reports ran "alternate".
+    order: str = "balanced"
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batch_sizes):
@@ -47,9 +53,8 @@ class BenchConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-
-
-ORDERS = ("alternate", "balanced")  # method orders within rounds (`_interleaved`)
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
 
 
 def _interleaved(methods: dict, repeats: int, samples: dict | None = None, order: str = "alternate"):
@@ -220,6 +225,7 @@ def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
         "threads": torch.get_num_threads(),
         "device": "cpu",
         "mmspec_kernels": kernels_of(models["prepacked"][0], target) if packed else "stock",
+        "order": config.order,
     }
     progress(f"pair: target {info['target_params_M']}M params, drafter {info['drafter_params_M']}M params, "
              f"greedy agreement {info['greedy_agreement']:.0%} (built locally, random weights; see mmspec/bench/pair.py)")
@@ -242,13 +248,13 @@ def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
                 HFTarget(target, prepack=pre), ModelDrafter(drafter, K, prepack=pre), ids, mask,
                 temperature=0, max_new_tokens=N, pad_token_id=0)
         names = sorted({m for m, _ in methods}, key=["plain generate", "transformers assisted", "mmspec"].index)
-        progress(f"batch {B}: {', '.join(names)} (K={K}) on {' and '.join(kernel_sets)} kernels, interleaved, "
-                 f"{config.repeats} timed rounds ...")
+        progress(f"batch {B}: {', '.join(names)} (K={K}) on {' and '.join(kernel_sets)} kernels, interleaved "
+                 f"({config.order} order), {config.repeats} timed rounds ...")
         for kern in kernel_sets:  # the ideal engine for each mmspec run (an extra, untimed run records it)
             named = {"target": models[kern][0], "drafter": models[kern][1]}
             _, log = _record_forwards(methods[("mmspec", kern)], named)
             methods[("ideal", kern)] = _replay(named, ids, mask, log)
-        times, outs = _interleaved(methods, config.repeats)
+        times, outs = _interleaved(methods, config.repeats, order=config.order)
         t_plain, ref = times[("plain generate", "stock")], outs[("plain generate", "stock")]
         for (name, kern), t in times.items():
             if name == "ideal":
