@@ -111,6 +111,7 @@ def test_gpu_bench_runs_on_a_tiny_shape_on_cpu():
     assert rows["mmspec K=5"]["mean_accepted_length"] > 1.5  # the forced profile, not random agreement
     assert 0 < rows["mmspec K=5"]["efficiency"]
     assert not report["skipped"]
+    assert report["config"]["order"] == "balanced"  # the default since session 52
 
 
 def test_gpu_bench_other_fixed_k_rows_run_the_same_forced_acceptance_at_their_k():
@@ -136,6 +137,8 @@ def test_gpu_bench_refuses_unknown_options():
         GpuBenchConfig(shape="llama-70b", device="cpu")
     with pytest.raises(ValueError, match="workloads"):
         GpuBenchConfig(shape="tiny", device="cpu", workloads=(("video", 1),))
+    with pytest.raises(ValueError, match="order must be one of"):
+        GpuBenchConfig(shape="tiny", device="cpu", order="shuffled")
     for rows in (0, -2, True):  # before: "max() arg is an empty sequence" per workload, reported as skipped
         with pytest.raises(ValueError, match="batch sizes must be ints >= 1"):
             GpuBenchConfig(shape="tiny", device="cpu", workloads=(("text", rows),))

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mmspec.bench.report import save
-from mmspec.bench.core import _cycling, _interleaved, _prompts, _record_forwards, _replay
+from mmspec.bench.core import ORDERS, _cycling, _interleaved, _prompts, _record_forwards, _replay
 from mmspec.devices import check_device, device_name
 
 SHAPES = {
@@ -94,8 +94,13 @@ class GpuBenchConfig:
     other_fixed_k: tuple[int, ...] = ()  # more fixed-K rows beside num_draft_tokens' (is auto's choice right?)
     deadline_s: float | None = None
     seed: int = 0
+    # Method order within rounds (`mmspec.bench.core._interleaved`): "balanced" since session 52
+    # (every method follows every other equally often); the GPU reports before ran "alternate".
+    order: str = "balanced"
 
     def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         if self.shape not in SHAPES:
             raise ValueError(f"unknown shape {self.shape!r}; choose from {sorted(SHAPES)}")
         if self.dtype not in DTYPES:
@@ -287,9 +292,9 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
     L = max(i.shape[1] for i, _ in prompts)
     progress(f"{name} B={B}: prompt {'up to ' if count > 1 else ''}{L} positions, {N} new tokens, "
              f"{'a fresh prompt per call' if count > 1 else 'one prompt for every call'}, {', '.join(methods)} "
-             f"interleaved, {config.repeats} rounds ...")
+             f"interleaved ({config.order} order), {config.repeats} rounds ...")
     with torch.no_grad():
-        times, outs = _interleaved(methods, config.repeats)
+        times, outs = _interleaved(methods, config.repeats, order=config.order)
     rows = []
     for method, t in times.items():
         p, out = outs[method]
@@ -416,6 +421,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--other-fixed-k", default="",
                    help="comma-separated draft lengths for more fixed-K rows (e.g. 1,3): is auto's choice the best K?")
     p.add_argument("--deadline-s", type=float, default=None, help="start no workload after this many seconds")
+    p.add_argument("--order", choices=ORDERS, default="balanced",
+                   help="method order within rounds (balanced: every method follows every other equally often)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     try:
@@ -431,7 +438,7 @@ def main(argv: list[str]) -> int:
                                 stable_greedy=not a.plain_random,
                                 cudnn_attention=not a.no_cudnn_attention, fresh_prompts=not a.same_prompt,
                                 attention_rows=not a.no_attention_rows, pinned_auto=a.pinned_auto_row,
-                                other_fixed_k=other_fixed_k, **kw)
+                                other_fixed_k=other_fixed_k, order=a.order, **kw)
     except (ValueError, IndexError) as e:
         raise SystemExit(f"mmspec bench gpu: {e}") from None
 
