@@ -56,9 +56,28 @@ def _bench_config(args):
         raise SystemExit(f"mmspec {args.command}: {e}") from None
 
 
+# Options of `mmspec bench` that only one of its two suites reads: given to the other one they
+# would be silently ignored, so they are refused by name.
+_CORE_ONLY = ("max_new_tokens", "target_layers", "perturbation", "no_compare_kernels", "order")
+_IMAGEGEN_ONLY = ("model", "images", "window", "methods", "guidance_scale", "temperature", "judge_images", "device")
+
+
+def _refuse_other_suites_options(args, names: tuple[str, ...], suite: str) -> None:
+    defaults = build_parser().parse_args(["bench"])
+    given = [n for n in names if hasattr(args, n) and getattr(args, n) != getattr(defaults, n)]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise SystemExit(f"mmspec bench{' ' + suite if suite == 'imagegen' else ''}: {flags} "
+                         f"{'does' if len(given) == 1 else 'do'} not apply to this suite "
+                         f"(`mmspec bench --help` groups the options by suite)")
+
+
 def cmd_bench(args) -> int:
     if args.suite == "imagegen":
+        _refuse_other_suites_options(args, _CORE_ONLY, "imagegen")
         return cmd_bench_imagegen(args)
+    if args.command == "bench":
+        _refuse_other_suites_options(args, _IMAGEGEN_ONLY, "core")
     from mmspec.bench.core import format_table, run
     from mmspec.bench.report import save
 

@@ -112,6 +112,15 @@ def test_bench_imagegen_refuses_windows_and_judge_counts_up_front(folder):
             main(["bench", "imagegen", "--model", str(folder), *extra])
 
 
+def test_bench_refuses_the_other_suites_options(folder):
+    # `mmspec bench` and `mmspec bench imagegen` share one parser; an option only the other suite
+    # reads was silently ignored before.
+    with pytest.raises(SystemExit, match="--perturbation, --order do not apply to this suite"):
+        main(["bench", "imagegen", "--model", str(folder), "--smoke", "--order", "alternate", "--perturbation", "0.1"])
+    with pytest.raises(SystemExit, match="--window does not apply to this suite"):
+        main(["bench", "--smoke", "--window", "4,4"])
+
+
 def test_demo_image_section(folder, tmp_path):
     from mmspec.bench.imagegen import DEMO_METHODS, demo
 
