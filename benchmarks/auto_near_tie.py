@@ -7,8 +7,10 @@ mmspec's plain decoding (`NullDrafter`), `auto`, `auto` with its choice pinned t
 drafter object and loop, never drafting: the cost of the adaptive path itself), and fixed K = 1.
 It prints each method's time against mmspec's plain decoding as a geometric mean of paired
 per-round ratios with a 90% interval (Student t), and how many steps of each `auto` call drafted.
+`--with-others` also interleaves fixed K = 6 and transformers' plain `generate`, as the full bench
+does, to see whether what runs in between changes the figures.
 
-    python benchmarks/auto_near_tie.py --pair weak --batch 4 --rounds 12 [--threads 2] [--json out.json]
+    python benchmarks/auto_near_tie.py --pair weak --batch 4 --rounds 12 [--with-others] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--prompts", type=int, default=3, help="prompt sets, used in turn")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--with-others", action="store_true",
+                   help="also interleave fixed K = 6 and transformers' plain generate (as the full bench does): "
+                        "does what runs in between change the figures?")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.rounds < 2:
@@ -59,19 +64,32 @@ def main() -> None:
     pinned.controller.choose = lambda *args, **kw: 0  # the adaptive path, never drafting
     methods = {"mmspec plain": NullDrafter(pc.vocab_size), "auto": ModelDrafter(drafter, "auto", max_draft_tokens=8),
                "auto pinned to K=0": pinned, "K=1": ModelDrafter(drafter, 1)}
+    if a.with_others:
+        methods["K=6"] = ModelDrafter(drafter, 6)
+        from mmspec.models.prepack import maybe_packed
+
+        gen_model = maybe_packed(target)  # as the bench runs `generate`: on the wrap's kernel view
+        methods["generate"] = "generate"
     seconds = {m: [] for m in methods}
     drafting_steps = {m: [] for m in methods}
     for r in range(a.rounds + 1):
         order = list(methods)
         random.Random(r).shuffle(order)
         for name in order:
+            ids, mask = sets[r % a.prompts]
             t0 = time.perf_counter()
-            out = mmspec.speculative_generate(t_wrap, methods[name], *sets[r % a.prompts], temperature=0,
-                                              max_new_tokens=a.new_tokens, pad_token_id=0)
+            if name == "generate":
+                gen_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=a.new_tokens,
+                                   pad_token_id=0)
+                steps = 0
+            else:
+                out = mmspec.speculative_generate(t_wrap, methods[name], ids, mask, temperature=0,
+                                                  max_new_tokens=a.new_tokens, pad_token_id=0)
+                steps = sum(k > 0 for k in out.stats.nodes_per_step)
             dt = time.perf_counter() - t0
             if r:  # round 0 warms up (and trains `auto`)
                 seconds[name].append(dt)
-                drafting_steps[name].append(sum(k > 0 for k in out.stats.nodes_per_step))
+                drafting_steps[name].append(steps)
     report = {"pair": a.pair, "batch": a.batch, "rounds": a.rounds, "threads": a.threads, "new_tokens": a.new_tokens,
               "methods": {}}
     for name in methods:
