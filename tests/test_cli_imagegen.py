@@ -34,6 +34,29 @@ def test_generate_compare_json(folder, tmp_path, capsys):
         assert Image.open(out / name).size == (8, 8) and (out / ("plain_" + name)).is_file()
     assert Image.open(out / "compare.png").size == (2 * 16 + 4, 4 * 16)
     assert json.loads((out / "summary.json").read_text())["files"] == summary["files"]
+    assert summary["rounds"] == 3
+    with pytest.raises(SystemExit, match="--rounds times the --compare runs"):
+        main(["generate", "--model", str(folder), "--class", "1", "--rounds", "5", "--out", str(tmp_path / "r")])
+
+
+def test_compare_warms_up_at_the_timed_shapes_and_alternates_the_timed_rounds(monkeypatch):
+    """`--compare` timing: one untimed call of each path, then rounds in which the two take turns
+    to run first; the first outputs and the median seconds come back."""
+    from mmspec import cli
+
+    calls, clock = [], iter(range(100))
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock) * 1.0)
+
+    def path(name):
+        def call():
+            calls.append(name)
+            return f"{name}{len(calls)}"
+        return call
+
+    spec_out, plain_out, spec_s, plain_s = cli.timed_compare(path("s"), path("p"), 3)
+    assert calls == ["s", "p", "s", "p", "p", "s", "s", "p"]
+    assert (spec_out, plain_out) == ("s3", "p4")  # the first timed outputs, not the warm-up's
+    assert spec_s == plain_s == 1.0  # each call advances the fake clock by one tick
 
 
 def test_generate_invariant_sampling_matches_plain_and_window_implies_jacobi(folder, tmp_path, capsys):
