@@ -112,6 +112,31 @@ def test_bench_imagegen_smoke(folder, tmp_path, capsys, monkeypatch):
     assert report["batches"][0]["verify_cost"]["ratio_to_one_token"]["1"] == 1.0
     assert "speed-up" in capsys.readouterr().out
     assert report["model"]["device"] == "cpu" and report["config"]["device"] == "cpu"
+    assert report["model"]["method_order"] == "balanced"
+
+
+def test_bench_imagegen_rounds_follow_williams_rows(folder, monkeypatch):
+    """Round r (0 = the warm-up) runs the methods in row r of the Williams design, the chunk
+    after it reversed, so every method follows every other equally often over a cycle of rows."""
+    from mmspec.bench import imagegen
+    from mmspec.bench.core import williams_rows
+
+    seen = []
+    real = imagegen.run_method
+
+    def spy(pipe, labels, B, method, cfg, scale, seed):
+        seen.append((B, seed, method))
+        return real(pipe, labels, B, method, cfg, scale, seed)
+
+    monkeypatch.setattr(imagegen, "run_method", spy)
+    methods = ["plain", "exact/jacobi-maximal", "invariant/plain", "gsd/jacobi-maximal"]
+    cfg = imagegen.ImageBenchConfig(model=str(folder), batch_sizes=(1,), images=2, repeats=2, methods=tuple(methods),
+                                    draft_tokens=(2,), window=(3,), threads=1)
+    imagegen.run(cfg)
+    rows = williams_rows(len(methods))
+    for r in range(3):  # warm-up + 2 timed rounds, two chunks of one label each
+        calls = [m for _, seed, m in seen if seed // 1_000_003 == cfg.seed + r]
+        assert calls == [methods[i] for i in rows[r]] + [methods[i] for i in rows[r]][::-1]
 
 
 def test_bench_imagegen_refuses_cuda_without_a_gpu(folder):

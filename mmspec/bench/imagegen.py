@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mmspec.adaptive import summarize
+from mmspec.bench.core import williams_rows
 from mmspec.bench.report import save
 from mmspec.devices import check_device, device_name
 from mmspec.models.llamagen_spec import llamagen_target
@@ -288,6 +289,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None, checkpoint=None) -> dict
         "image_tokens": pipe.num_tokens, "codebook": pipe.target.args.vocab_size, "torch_threads": torch.get_num_threads(),
         "kernels": llamagen_target(pipe.target, scale).kernels,  # measured here, once per model
         "device": device_name(cfg.device),
+        "method_order": "balanced",  # Williams rows, chunks alternating direction (session 52; "rotated" before)
     }, "batches": []}
     labels = [i % pipe.num_classes for i in range(cfg.images)]
     for bi, B in enumerate(cfg.batch_sizes):
@@ -297,11 +299,14 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None, checkpoint=None) -> dict
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for r in range(cfg.repeats + 1):  # round 0 warms up
             # Every method runs each chunk of B labels (same seed) before the next chunk starts, so
-            # a slow phase of the machine (seconds long on our VMs) hits every method alike; each
-            # round starts at another method and the order reverses chunk by chunk, so no method
-            # keeps one position (the first call of a round ran measurably slower on our VM).
-            shift = r % len(methods)
-            order = methods[shift:] + methods[:shift]
+            # a slow phase of the machine (seconds long on our VMs) hits every method alike. Round
+            # r runs row r of a Williams design (`williams_rows`, since session 52; before, each
+            # round started at the next method of a fixed cycle, so a method always followed the
+            # same one): every method follows every other equally often over a cycle of rows, and
+            # the order reverses chunk by chunk, so no method keeps one position (the first call of
+            # a round ran measurably slower on our VM).
+            rows = williams_rows(len(methods))
+            order = [methods[i] for i in rows[r % len(rows)]]
             parts: dict[str, list[dict]] = {m: [] for m in methods}
             for c, start in enumerate(range(0, len(labels), B)):
                 for m in order if c % 2 == 0 else order[::-1]:
