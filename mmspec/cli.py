@@ -306,7 +306,7 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--no-compare-kernels", action="store_true",
                    help="run each method only on its library's default linear kernels (faster, no like-for-like rows)")
     p.add_argument("--json", default=None, help="also write the report as JSON to this path")
-    p.add_argument("--order", choices=("balanced", "alternate"), default="balanced",
+    p.add_argument("--order", choices=ORDERS, default="balanced",
                    help="method order within rounds: balanced (every method follows every other equally often; "
                         "default) or alternate (A B C, C B A, ...: the reports before session 52)")
     if not demo:
@@ -323,7 +323,7 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
         g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the pipeline is moved there)")
 
 
-from mmspec.bench import SUITES  # noqa: E402  (a plain dict of names, no heavy imports)
+from mmspec.bench import ORDERS, SUITES  # noqa: E402  (plain names, no heavy imports)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,11 +21,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from mmspec.bench import check_order
 from mmspec.bench.pair import PairConfig, build_pair, count_parameters, greedy_agreement
 from mmspec.models.hf_target import HFTarget
-
-
-ORDERS = ("alternate", "balanced")  # method orders within rounds (`_interleaved`)
 
 
 @dataclass(frozen=True)
@@ -53,8 +51,7 @@ class BenchConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        check_order(self.order)
 
 
 def _interleaved(methods: dict, repeats: int, samples: dict | None = None, order: str = "alternate"):
@@ -68,8 +65,7 @@ def _interleaved(methods: dict, repeats: int, samples: dict | None = None, order
     n - 1 rounds (n even) and, over a full cycle of rows, every other method equally often:
     a method whose speed depends on what ran before it (the allocator's state after a call
     with larger buffers, say) is not favoured or handicapped by where the list put it."""
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    check_order(order)
     outs = {name: fn() for name, fn in methods.items()}  # warm-up
     rounds = {} if samples is None else samples
     rounds.update({name: [] for name in methods})

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from mmspec.bench.core import ORDERS, _cycling, _interleaved, _prompts
+from mmspec.bench import ORDERS
+from mmspec.bench.core import _cycling, _interleaved, _prompts
 from mmspec.bench.core_pooled import format_pooled, log_interval, pool
 from mmspec.bench.pair import PairConfig, build_pair, greedy_agreement
 from mmspec.cli_types import positive_int

@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mmspec.bench.report import save
-from mmspec.bench.core import ORDERS, _cycling, _interleaved, _prompts, _record_forwards, _replay
+from mmspec.bench import ORDERS, check_order
+from mmspec.bench.core import _cycling, _interleaved, _prompts, _record_forwards, _replay
 from mmspec.devices import check_device, device_name
 
 SHAPES = {
@@ -99,8 +100,7 @@ class GpuBenchConfig:
     order: str = "balanced"
 
     def __post_init__(self) -> None:
-        if self.order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        check_order(self.order)
         if self.shape not in SHAPES:
             raise ValueError(f"unknown shape {self.shape!r}; choose from {sorted(SHAPES)}")
         if self.dtype not in DTYPES:
