@@ -8,9 +8,12 @@ drafter object and loop, never drafting: the cost of the adaptive path itself), 
 It prints each method's time against mmspec's plain decoding as a geometric mean of paired
 per-round ratios with a 90% interval (Student t), and how many steps of each `auto` call drafted.
 `--with-others` also interleaves fixed K = 6 and transformers' plain `generate`, as the full bench
-does, to see whether what runs in between changes the figures.
+does, to see whether what runs in between changes the figures. `--no-shadow` adds `auto` whose
+probes from plain decoding draft and verify as before session 53 instead of reading greedy
+acceptance off the plain stretch (mmspec/shadow_acceptance.py), and prints the paired ratio of
+the two.
 
-    python benchmarks/auto_near_tie.py --pair weak --batch 4 --rounds 12 [--with-others] [--threads 2] [--json out.json]
+    python benchmarks/auto_near_tie.py --pair weak --batch 4 --rounds 12 [--with-others] [--no-shadow] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main() -> None:
     p.add_argument("--with-others", action="store_true",
                    help="also interleave fixed K = 6 and transformers' plain generate (as the full bench does): "
                         "does what runs in between change the figures?")
+    p.add_argument("--no-shadow", action="store_true",
+                   help="also interleave `auto` with drafting probes from plain decoding (no shadow probes)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.rounds < 2:
@@ -64,6 +69,11 @@ def main() -> None:
     pinned.controller.choose = lambda *args, **kw: 0  # the adaptive path, never drafting
     methods = {"mmspec plain": NullDrafter(pc.vocab_size), "auto": ModelDrafter(drafter, "auto", max_draft_tokens=8),
                "auto pinned to K=0": pinned, "K=1": ModelDrafter(drafter, 1)}
+    if a.no_shadow:
+        class DraftingProbes(ModelDrafter):
+            shadow_probes = False  # the loop then never asks for shadow probes
+
+        methods["auto, no shadow"] = DraftingProbes(drafter, "auto", max_draft_tokens=8)
     if a.with_others:
         methods["K=6"] = ModelDrafter(drafter, 6)
         from mmspec.models.prepack import maybe_packed
@@ -98,6 +108,10 @@ def main() -> None:
                                    "drafting_steps_per_call": drafting_steps[name]}
         print(f"{name:<20} median {statistics.median(seconds[name]):.3f} s  time / mmspec plain {ratio[0]:.3f}x "
               f"[90% CI {ratio[1]:.3f}-{ratio[2]:.3f}]  drafting steps per call {drafting_steps[name]}")
+    if a.no_shadow:
+        ratio = paired(seconds["auto, no shadow"], seconds["auto"])
+        report["shadow_speedup"] = ratio
+        print(f"auto (shadow probes) speed / auto with drafting probes {ratio[0]:.3f}x [90% CI {ratio[1]:.3f}-{ratio[2]:.3f}]")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

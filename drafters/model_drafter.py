@@ -200,11 +200,18 @@ class ModelDrafter(DraftsWithPositionNoise):
         device = roots.device
         K = self.k if self._cap is None else min(self.k, self._cap)
         if K == 0 and (self.tree is None or self.adaptive):  # (a fixed tree always drafts)
-            # Plain decoding this step: no drafter forward; the root joins the tokens the
-            # drafter will catch up on the next time it drafts.
-            self._defer(roots)
-            self._plain_steps += 1
             self._drafted = 0
+            take_shadow = getattr(self.controller, "take_shadow", None) if self.shadow_probes else None
+            if take_shadow is not None and take_shadow():
+                # A shadow probe: catch up now, reading greedy acceptance off the plain stretch.
+                self._catch_up(roots, shadow=True)
+                self.pending, self.pending_count = roots.new_zeros(B, 0), roots.new_zeros(B)
+                self.pending_host = [0] * B
+            else:
+                # Plain decoding this step: no drafter forward; the root joins the tokens the
+                # drafter will catch up on the next time it drafts.
+                self._defer(roots)
+                self._plain_steps += 1
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         logits = self._catch_up(roots)  # [B, V] at the root
         if self.tree is not None:
@@ -309,9 +316,16 @@ class ModelDrafter(DraftsWithPositionNoise):
         self.pending_count = self.pending_count + n
         self.pending_host = [c + n for c in self.pending_host]
 
-    def _catch_up(self, roots: torch.Tensor) -> torch.Tensor:
+    @property
+    def shadow_probes(self) -> bool:
+        """Whether a probe from plain decoding may be a shadow probe (mmspec/shadow_acceptance.py):
+        adaptive chains with dynamic shapes (the loop adds: greedy, a lossless rule)."""
+        return self.adaptive and self.tree is None and not self.static
+
+    def _catch_up(self, roots: torch.Tensor, shadow: bool = False) -> torch.Tensor:
         """Run pending tokens + root (after the deferred prompt prefill, if any); returns
-        drafter logits [B, V] at the root."""
+        drafter logits [B, V] at the root. `shadow`: logits at every pending token too, whose
+        argmax against the next committed token goes to the controller (`observe_shadow`)."""
         if self._prefill_args is not None or self._plain_steps:
             if self.controller is not None:  # one-off work, not the per-step cost of drafting
                 self.controller.skip_draft_cost_once()
@@ -332,9 +346,13 @@ class ModelDrafter(DraftsWithPositionNoise):
         # root is the last query of every row, and the LM head runs on it alone (after a long
         # plain stretch the head over every pending token costs about a target forward).
         aligned = all(c == P for c in self.pending_host)
-        out = self.runner.forward(tokens, depth, vis, 0, last_only=aligned, queries=self._catch_up_queries,
-                                  sees_region=True)
+        out = self.runner.forward(tokens, depth, vis, 0, last_only=aligned and not shadow,
+                                  queries=self._catch_up_queries, sees_region=True)
         self.draft_calls += 1
+        if shadow:  # the prediction after pending token j against token j + 1 (the root after the last)
+            hits = (out.logits[:, :P].argmax(-1) == tokens[:, 1:]).tolist()  # SYNC: once per shadow probe
+            self.controller.observe_shadow([h[:c] for h, c in zip(hits, self.pending_host)])
+            aligned = False
         self.runner.advance(self.pending_count + 1, [c + 1 for c in self.pending_host])
         return out.logits[:, -1] if aligned else out.logits[rows, self.pending_count]
 

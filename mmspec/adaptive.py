@@ -68,6 +68,12 @@ Model (per step, B active rows, K drafts per row):
   (its measured seconds less what its tokens were worth at the kept choice; at most
   `budget_gap_factor * max_probe_every` = 1024 steps, so recovery stays bounded). The
   controller lives on the drafter, so the gaps carry over from one call to the next.
+  Where the loop marks the controller `shadow_capable` (a `ModelDrafter` chain, greedy, a
+  lossless rule), a probe from plain decoding stays plain and asks the drafter to catch up with
+  logits at every token of the plain stretch: its greedy agreements with what the target emitted
+  are the outcomes chains started there would have had (`observe_shadow`,
+  mmspec/shadow_acceptance.py), dozens of draft outcomes per row for the catch-up's cost, with
+  no verify of drafts and no rows left at different lengths.
 - The first `cold_steps` (3) steps of a request (the loop marks requests with `begin_request`)
   teach only costs not measured yet: right after a prefill every forward runs slower (cold
   caches), and `auto` takes its plain steps mostly there, so their costs made plain decoding
@@ -93,6 +99,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from mmspec.shadow_acceptance import chain_counts
 from mmspec.step_costs import StepCosts
 
 
@@ -173,6 +180,12 @@ class DraftLengthController:
         self.probes = 0
         self._probe_base: int | None = None  # the choice a pending probe deviated from
         self._skip_draft_cost = False
+        # Shadow probes (mmspec/shadow_acceptance.py): the loop sets `shadow_capable` where the
+        # drafter can read greedy acceptance off a plain stretch (ModelDrafter, greedy, lossless
+        # rule); a probe from plain decoding then stays plain and asks the drafter for it.
+        self.shadow_capable = False
+        self._shadow_due = False
+        self._shadow_rows: list[tuple[int, int]] | None = None
         if not 0.0 <= float(min_gain) < 1.0:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
         self.min_gain = float(min_gain)
@@ -366,7 +379,10 @@ class DraftLengthController:
                 # plain decoding, probe the best draft length by the estimates (K = 1 may lose
                 # where K = 2 wins: at batch 1 a 3-token verify can cost what a 1-token one does).
                 self._probe_base = k
-                k = self._probe_choice(k, rates, batch)
+                if k == 0 and self.shadow_capable:
+                    self._shadow_due = True  # a plain step whose drafter catch-up measures acceptance
+                else:
+                    k = self._probe_choice(k, rates, batch)
                 self.probes += 1
         self.last_choice = k
         self.history.append(k)
@@ -434,6 +450,33 @@ class DraftLengthController:
         noise = sum(p * (1 - p) / t for _, t in rows) / len(rows)
         return max(observed - noise, 0.0)
 
+    def take_shadow(self) -> bool:
+        """Whether this plain step is a shadow probe (the drafter asks once, in its propose)."""
+        due, self._shadow_due = self._shadow_due, False
+        return due
+
+    def observe_shadow(self, hits: list[list[bool]]) -> None:
+        """Learn acceptance from a plain stretch: `hits[b][j]` whether the drafter's greedy
+        prediction after row b's j-th stretch token was the token the target emitted next
+        (`chain_counts`). Counts enter as a step's draft outcomes would; the per-row first-draft
+        counts join the row's acceptance counts at the step's `observe` (which knows row ids)."""
+        tried, accepted, per_row = chain_counts(hits, self.k_max)
+        self._shadow_rows = per_row
+        self._count_outcomes(tried, accepted)
+
+    def _count_outcomes(self, tried: list[int], accepted: list[int]) -> None:
+        """Fold (tried, accepted) counts per position into the recent and long-run estimates."""
+        rate = 1.0 - 1.0 / self.memory
+        long_rate = 1.0 - 1.0 / self.long_memory
+        for i, (t, ok) in enumerate(zip(tried, accepted)):
+            if t:
+                d = max(rate ** t, self.decay)
+                self.acc[i] = d * self.acc[i] + ok
+                self.tried[i] = d * self.tried[i] + t
+                d = long_rate ** t
+                self.acc_long[i] = d * self.acc_long[i] + ok
+                self.tried_long[i] = d * self.tried_long[i] + t
+
     def skip_draft_cost_once(self) -> None:
         """The current step's drafting includes one-off work (a catch-up after plain steps,
         a deferred prefill): its seconds are not the per-step cost of drafting."""
@@ -467,18 +510,15 @@ class DraftLengthController:
         # remembers about `memory` outcomes at small batches (decay 0.9 per step alone was ~10
         # outcomes at batch 1, too few to tell a 28% first-draft acceptance from 10%) and
         # about 1 / (1 - decay) steps at large ones.
-        rate = 1.0 - 1.0 / self.memory
-        long_rate = 1.0 - 1.0 / self.long_memory
-        for i in range(k):
-            tried = sum(1 for n in accepted if n >= i)  # rows that reached draft i
-            ok = sum(1 for n in accepted if n > i)
-            if tried:
-                d = max(rate ** tried, self.decay)
-                self.acc[i] = d * self.acc[i] + ok
-                self.tried[i] = d * self.tried[i] + tried
-                d = long_rate ** tried
-                self.acc_long[i] = d * self.acc_long[i] + ok
-                self.tried_long[i] = d * self.tried_long[i] + tried
+        self._count_outcomes([sum(1 for n in accepted if n >= i) for i in range(k)],  # rows that reached draft i
+                             [sum(1 for n in accepted if n > i) for i in range(k)])
+        if self._shadow_rows is not None:  # this step's shadow probe: per-row first-draft counts
+            if rows is not None and len(rows) == len(self._shadow_rows):
+                for rid, (ok, judged) in zip(rows, self._shadow_rows):
+                    c = self._row_counts.setdefault(rid, [0, 0])
+                    c[0] += ok
+                    c[1] += judged
+            self._shadow_rows = None
         if k == 0:
             # A plain step judges no draft, so the recent rates would stay where they were when
             # speculation was switched off: a run of hard tokens (or noise) that made plain look
@@ -494,7 +534,7 @@ class DraftLengthController:
         if k > 0:
             # Untried positions drift toward the pooled rate of the tried ones.
             pooled = sum(self.acc[:k]) / max(sum(self.tried[:k]), 1e-9)
-            d = max(rate ** batch, self.decay)
+            d = max((1.0 - 1.0 / self.memory) ** batch, self.decay)
             for i in range(k, self.k_max):
                 self.acc[i] = d * self.acc[i] + (1 - d) * pooled * self.tried[i]
         # The first steps of a request run on cold caches (right after the prefill, every forward

@@ -482,6 +482,9 @@ class _Loop:
         # distributions with noise keyed by (seed, row, position) and hands drafters the same noise.
         self.noise = PositionNoise.for_request(generator, target.vocab_size) if getattr(
             rule, "position_keyed", False) else None
+        if self._row_ids:  # shadow probes (mmspec/shadow_acceptance.py): greedy, lossless, a drafter that reads them
+            self.controller.shadow_capable = bool(getattr(drafter, "shadow_probes", False) and sampling.greedy
+                                                  and rule.lossless and self.noise is None)
         self._set_noise = getattr(drafter, "set_position_noise", None)
         if self._set_noise is not None:
             self._set_noise(None)  # no stale noise from an earlier request
