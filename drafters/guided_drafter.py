@@ -66,7 +66,7 @@ class _GuidedRunner:
         index = torch.zeros(B, 1, dtype=torch.long, device=input_ids.device)
         return SpecOutput(logits=self._guide(out.logits, index))
 
-    def forward(self, tokens, depth, tree_visible, uncommitted: int, *, last_only: bool = False,
+    def forward(self, tokens, depth, tree_visible, uncommitted: int, *, last_only: bool | int = False,
                 queries: int | None = None, sees_region: bool = False) -> SpecOutput:
         B = tokens.shape[0]
         q_pos = self.inner.kv.next_pos[:B].unsqueeze(1) + depth  # logical positions of the conditional queries
@@ -74,8 +74,8 @@ class _GuidedRunner:
                                  torch.cat([tree_visible, tree_visible]), uncommitted, last_only=last_only,
                                  queries=queries, sees_region=sees_region)
         index = q_pos - self.prompt_len.unsqueeze(1) + 1
-        if last_only:
-            index = index[:, -1:]
+        if last_only:  # True: the last query; an int n: the last n
+            index = index[:, -int(last_only):]
         return SpecOutput(logits=self._guide(out.logits, index))
 
     def advance(self, counts: torch.Tensor, counts_host: list[int], path: torch.Tensor | None = None) -> None:

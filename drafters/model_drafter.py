@@ -316,6 +316,9 @@ class ModelDrafter(DraftsWithPositionNoise):
         self.pending_count = self.pending_count + n
         self.pending_host = [c + n for c in self.pending_host]
 
+    # A shadow probe reads the last this-many tokens of each row's plain stretch (and the root).
+    shadow_window = 32
+
     @property
     def shadow_probes(self) -> bool:
         """Whether a probe from plain decoding may be a shadow probe (mmspec/shadow_acceptance.py):
@@ -346,15 +349,23 @@ class ModelDrafter(DraftsWithPositionNoise):
         # root is the last query of every row, and the LM head runs on it alone (after a long
         # plain stretch the head over every pending token costs about a target forward).
         aligned = all(c == P for c in self.pending_host)
-        out = self.runner.forward(tokens, depth, vis, 0, last_only=aligned and not shadow,
-                                  queries=self._catch_up_queries, sees_region=True)
+        if shadow:
+            # Logits from column `start` on: each row's last `shadow_window` pending tokens and its
+            # root (the LM head over a whole long stretch could cost more than the forward).
+            start = max(0, min(self.pending_host) - self.shadow_window)
+            out = self.runner.forward(tokens, depth, vis, 0, last_only=P + 1 - start, sees_region=True)
+            # The prediction after pending token j against token j + 1 (the root after the last).
+            hits = (out.logits[:, :P - start].argmax(-1) == tokens[:, start + 1:]).tolist()  # SYNC: once a shadow
+            self.controller.observe_shadow([h[max(0, c - self.shadow_window - start):c - start]
+                                            for h, c in zip(hits, self.pending_host)])
+            root = out.logits[rows, self.pending_count - start]
+        else:
+            out = self.runner.forward(tokens, depth, vis, 0, last_only=aligned, queries=self._catch_up_queries,
+                                      sees_region=True)
+            root = out.logits[:, -1] if aligned else out.logits[rows, self.pending_count]
         self.draft_calls += 1
-        if shadow:  # the prediction after pending token j against token j + 1 (the root after the last)
-            hits = (out.logits[:, :P].argmax(-1) == tokens[:, 1:]).tolist()  # SYNC: once per shadow probe
-            self.controller.observe_shadow([h[:c] for h, c in zip(hits, self.pending_host)])
-            aligned = False
         self.runner.advance(self.pending_count + 1, [c + 1 for c in self.pending_host])
-        return out.logits[:, -1] if aligned else out.logits[rows, self.pending_count]
+        return root
 
     def _propose_tree(self, root_logits: torch.Tensor, sampling: SamplingConfig) -> Draft:
         B, k = root_logits.shape[0], self.tree.top_k

@@ -97,7 +97,8 @@ class ForwardSpec:
     ) -> SpecOutput:
         pos = self.positions(attention.q_pos)
         hidden, layers = self.backbone(self.embed(tokens), pos, attention, kv, features)
-        logits = self.head(hidden[:, -1:] if last_only else hidden)
+        keep = int(last_only)  # False: every query; True: the last; an int n: the last n
+        logits = self.head(hidden[:, -keep:] if keep else hidden)
         return SpecOutput(
             logits=logits,
             hidden=hidden if features.last_hidden else None,
@@ -183,7 +184,7 @@ class SpecRunner:
         tree_visible: torch.Tensor,  # [B, Q, T+Q] bool over the uncommitted region
         uncommitted: int,  # T (host int)
         *,
-        last_only: bool = False,
+        last_only: bool | int = False,  # logits of the last query only (True) or of the last n (an int)
         queries: int | None = None,  # static mode: the fixed query count of this forward kind
         sees_region: bool = False,  # the caller's fact: each new token sees the whole region (a chain step)
     ) -> SpecOutput:
@@ -200,6 +201,8 @@ class SpecRunner:
     def _static_forward(self, tokens, depth, tree_visible, uncommitted, last_only, queries) -> SpecOutput:
         """Pad to the static shapes [B0, Q], run the (compiled) step, keep the active rows'
         real queries."""
+        if not isinstance(last_only, bool):
+            raise ValueError(f"a static forward keeps the logits of every query or of the last, got last_only={last_only!r}")
         kv = self.kv
         q = tokens.shape[1]
         Q = q if queries is None else queries

@@ -66,9 +66,13 @@ class Scripted(DraftLengthController):
         super().observe(batch, k, accepted, *args, rows=rows, **kw)
 
 
-@pytest.mark.parametrize("plan", [["s", 3, 0, 0, "s", 2, 0, 0, 0, "s", "s", 4, "s", 1, 0, "s", 0, 3],
-                                  [0, 0, 0, 0, 0, "s", 4, 4, 0, 0, "s", 2, 2, "s"]])
-def test_shadow_hits_are_the_teacher_forced_agreements_and_chains_accept_their_runs(target, good_drafter, plan):
+@pytest.mark.parametrize("plan, window", [(["s", 3, 0, 0, "s", 2, 0, 0, 0, "s", "s", 4, "s", 1, 0, "s", 0, 3], 32),
+                                          ([0, 0, 0, 0, 0, "s", 4, 4, 0, 0, "s", 2, 2, "s"], 32),
+                                          ([0, 0, 0, 0, 0, 0, "s", 4, 0, 0, 0, 0, 0, 0, 0, "s", 1], 3)])
+def test_shadow_hits_are_the_teacher_forced_agreements_and_chains_accept_their_runs(target, good_drafter, plan,
+                                                                                     window):
+    """`window`: the shadow reads each row's last `window` stretch tokens (3: shorter than the
+    stretches here, so the cut is exercised)."""
     lengths = [9, 4, 6]
     ids, mask = left_padded(lengths)
     N = 36
@@ -77,6 +81,7 @@ def test_shadow_hits_are_the_teacher_forced_agreements_and_chains_accept_their_r
     assert (ref[:, ids.shape[1]:] == 2).any()  # a row ends early and leaves the batch
     drafter = ModelDrafter(good_drafter, "auto", max_draft_tokens=4)
     drafter.controller = ctrl = Scripted(plan)
+    drafter.shadow_window = window
     out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=N, pad_token_id=0,
                                       eos_token_id=2)
     assert torch.equal(out.sequences, ref)
@@ -100,7 +105,7 @@ def test_shadow_hits_are_the_teacher_forced_agreements_and_chains_accept_their_r
             assert kk == k
             if hits is not None:
                 shadows += 1
-                assert hits == [agree[b][seen[b]:root[b]] for b in rows]
+                assert hits == [agree[b][max(seen[b], root[b] - window):root[b]] for b in rows]
                 for b in rows:
                     seen[b] = root[b] + 1  # caught up through the root
                 hits = None
@@ -114,8 +119,9 @@ def test_shadow_hits_are_the_teacher_forced_agreements_and_chains_accept_their_r
                 if k > 0:
                     seen[b] = root[b] + 1 + min(n, k - 1)  # the root and the kept drafts it ran
                 root[b] += n + 1
-    assert shadows >= 3 and drafted >= 8
-    assert any(len(h) > 3 for e in ctrl.log if e[0] == "shadow" for h in e[1])  # stretches were read
+    assert shadows >= 3 and drafted >= 4
+    longest = max(len(h) for e in ctrl.log if e[0] == "shadow" for h in e[1])
+    assert longest == window if window < 6 else longest > 3  # stretches were read (and cut at the window)
 
 
 def test_shadow_probes_only_under_greedy_lossless_decoding(target, good_drafter):

@@ -55,3 +55,52 @@ def test_pipeline_model_drafter_auto_keeps_its_controller_across_calls():
     pipe.register_to_config(drafter_config={**pipe.config.drafter_config, "num_draft_tokens": "four"})
     with pytest.raises(ValueError, match=r"drafter_config\['num_draft_tokens'\] must be an int >= 0 or 'auto'"):
         pipe(LABELS.tolist(), guidance_scale=3.0, output_type="latent")
+
+
+@pytest.mark.parametrize("window", [32, 2])
+def test_guided_shadow_probes_keep_greedy_output_and_the_drafts_that_follow(window):
+    """Shadow probes (mmspec/shadow_acceptance.py) through `GuidedModelDrafter` under CFG: greedy
+    output equals the plain sampler's, each shadow reports flags for the rows' stretches (at
+    most `window` a row), and the drafting steps after them accept exactly what they accept when
+    the same steps are plain steps instead (the drafter caught up by the shadow drafts what one
+    that catches up later does)."""
+    from test_core_shadow import Scripted
+
+    gpt = tiny_gpt(0)
+    ref = plain_greedy(gpt, scale=3.0, schedule="linear")
+    plan = [0, 0, 0, "s", 3, 0, 0, "s", 2, 0, "s", 0, 0, 4]
+    runs = {}
+    for name, steps in (("shadow", plan), ("plain", [0 if k == "s" else k for k in plan])):
+        drafter = GuidedModelDrafter(LlamaGenSpec(noisy_gpt(gpt, 0.3)), cfg_schedule_fn("linear", 3.0, 16), "auto",
+                                     make_uncond=null_class_uncond(NUM_CLASSES), max_draft_tokens=4)
+        drafter.shadow_window = window
+        drafter.controller = Scripted(steps)
+        out = mmspec.speculative_generate(llamagen_target(gpt, 3.0, cfg_schedule="linear", num_tokens=16), drafter,
+                                          LABELS.view(-1, 1), max_new_tokens=16, temperature=0)
+        assert torch.equal(out.sequences[:, 1:], ref)
+        runs[name] = drafter.controller.log
+    shadows = [e[1] for e in runs["shadow"] if e[0] == "shadow"]
+    assert len(shadows) >= 2 and all(len(h) <= window for hits in shadows for h in hits)
+    assert max(len(h) for hits in shadows for h in hits) == min(window, 3)  # the first stretch: 3 plain steps
+    accepted = {name: [e[1:3] for e in log if e[0] == "accepted" and e[1] > 0] for name, log in runs.items()}
+    assert accepted["shadow"] == accepted["plain"] and sum(sum(a) for _, a in accepted["plain"]) > 0
+
+
+def test_guided_runner_keeps_the_last_n_queries_with_their_own_guidance():
+    """`last_only=n` (a shadow probe's catch-up) gives the last n columns of the full forward,
+    each guided at its own position's scale (linear schedule: the scales differ by column)."""
+    from mmspec.spec_target import chain_visibility
+
+    gpt = tiny_gpt(0)
+    drafter = GuidedModelDrafter(LlamaGenSpec(noisy_gpt(gpt, 0.3)), cfg_schedule_fn("linear", 3.0, 16), 2,
+                                 make_uncond=null_class_uncond(NUM_CLASSES))
+    ids = LABELS.view(-1, 1)
+    drafter.runner.prefill(ids, torch.ones_like(ids), 40, {})
+    tokens = torch.randint(0, 16, (ids.shape[0], 5), generator=torch.Generator().manual_seed(0))
+    vis, depth = chain_visibility(ids.shape[0], 5, ids.device)
+    full = drafter.runner.forward(tokens, depth, vis, 0, sees_region=True).logits  # nothing advanced: same state
+    last3 = drafter.runner.forward(tokens, depth, vis, 0, last_only=3, sees_region=True).logits
+    last1 = drafter.runner.forward(tokens, depth, vis, 0, last_only=True, sees_region=True).logits
+    assert full.shape[1] == 5 and last3.shape[1] == 3
+    torch.testing.assert_close(last3, full[:, -3:], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(last1, full[:, -1:], rtol=1e-12, atol=1e-12)

@@ -204,7 +204,7 @@ class HFSpec(ForwardSpec):
         # Everything visible and no sliding window: the model's own (mask-free) attention path.
         mask = None if attention.full and self._windows is None else self._additive(attention)
         positions = self.positions(attention.q_pos)
-        keep = 1 if last_only else 0
+        keep = int(last_only)  # transformers' logits_to_keep: 0 = every query, n = the last n
         direct = self._direct
         run = for_rows(self.model, tokens.numel())  # this forward's faster kernel (the model or its packed view)
         if mask is not None and self.cpu_attention and direct is not None and tokens.device.type == "cpu":
