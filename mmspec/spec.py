@@ -188,6 +188,9 @@ class SpecRunner:
         queries: int | None = None,  # static mode: the fixed query count of this forward kind
         sees_region: bool = False,  # the caller's fact: each new token sees the whole region (a chain step)
     ) -> SpecOutput:
+        if not isinstance(last_only, bool) and (not isinstance(last_only, int) or not 1 <= last_only <= tokens.shape[1]):
+            raise ValueError(f"last_only must be a bool or an int in 1..{tokens.shape[1]} (queries whose logits to keep), "
+                             f"got {last_only!r}")
         if not self.static:
             attention = self.kv.plan(depth, tree_visible, uncommitted, sees_region=sees_region)
             if self._sdpa is not None:  # CUDA, measured (the CPU path stays free of any context)

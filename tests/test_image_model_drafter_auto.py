@@ -104,3 +104,17 @@ def test_guided_runner_keeps_the_last_n_queries_with_their_own_guidance():
     assert full.shape[1] == 5 and last3.shape[1] == 3
     torch.testing.assert_close(last3, full[:, -3:], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(last1, full[:, -1:], rtol=1e-12, atol=1e-12)
+
+
+def test_runner_refuses_a_last_only_it_cannot_honour():
+    from mmspec.spec_target import chain_visibility
+
+    drafter = GuidedModelDrafter(LlamaGenSpec(noisy_gpt(tiny_gpt(0), 0.3)), cfg_schedule_fn("constant", 3.0, 16), 2,
+                                 make_uncond=null_class_uncond(NUM_CLASSES))
+    ids = LABELS.view(-1, 1)
+    drafter.runner.prefill(ids, torch.ones_like(ids), 40, {})
+    tokens = torch.zeros(ids.shape[0], 4, dtype=torch.long)
+    vis, depth = chain_visibility(ids.shape[0], 4, ids.device)
+    for bad in (0, 5, -1, 2.0):
+        with pytest.raises(ValueError, match=r"last_only must be a bool or an int in 1\.\.4"):
+            drafter.runner.forward(tokens, depth, vis, 0, last_only=bad, sees_region=True)
