@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import draw, sample_from
+from mmspec.sampling import cached_arange, draw, sample_from
 from mmspec.types import AcceptanceResult
 
 
@@ -108,35 +108,36 @@ class ChainRule:
         B, K = draft_tokens.shape
         V = target_probs.shape[-1]
         dtype = torch.float64 if target_probs.dtype == torch.float64 else torch.float32
-        target_probs = target_probs.to(dtype)
-        draft_probs = None if draft_probs is None else draft_probs.to(dtype)
-        rows = torch.arange(B, device=draft_tokens.device)
+        if target_probs.dtype != dtype:  # (each skipped call is one operation fewer in the hot path)
+            target_probs = target_probs.to(dtype)
+        if draft_probs is not None and draft_probs.dtype != dtype:
+            draft_probs = draft_probs.to(dtype)
+        device = draft_tokens.device
         if K == 0:
             return AcceptanceResult(
-                num_accepted=torch.zeros(B, dtype=torch.long, device=draft_tokens.device),
+                num_accepted=torch.zeros(B, dtype=torch.long, device=device),
                 next_tokens=self.sample(target_probs[:, 0], generator),
                 accept_probs=target_probs.new_zeros(B, 0),
             )
-        x = draft_tokens.long()
-        p = target_probs[:, :K]
-        alpha, dist = self.accept_and_distortion(
-            x.reshape(-1), p.reshape(-1, V), None if draft_probs is None else draft_probs.reshape(-1, V)
-        )
+        x = (draft_tokens if draft_tokens.dtype == torch.long else draft_tokens.long()).reshape(-1)  # [B*K]
+        p = target_probs[:, :K].reshape(-1, V)  # [B*K, V]
+        q = None if draft_probs is None else draft_probs.reshape(-1, V)
+        alpha, dist = self.accept_and_distortion(x, p, q)
         alpha = alpha.view(B, K)
         u = draw(torch.rand, B, K, generator=generator, dtype=dtype, device=alpha.device)
-        accepted = u < alpha  # alpha == 1 always accepts (u < 1), alpha == 0 never does
-        num_accepted = accepted.long().cumprod(1).sum(1)  # [B]
-        # Residual at the first rejection; the bonus row K takes p_K as it is.
-        at = num_accepted.clamp(max=K - 1)
-        x_at = x[rows, at]
-        p_at = p[rows, at]
-        q_at = None if draft_probs is None else draft_probs[rows, at]
-        resid = self.residual(x_at, p_at, q_at)
+        # alpha == 1 always accepts (u < 1), alpha == 0 never does; the accepted prefix is the
+        # run of leading successes (a bool cumprod counts in int64).
+        num_accepted = (u < alpha).cumprod(1).sum(1)  # [B]
+        # Residual at the first rejection (flat row b * K + min(n_b, K - 1)); the bonus row K
+        # takes p_K as it is.
+        at = num_accepted.clamp(max=K - 1) + cached_arange(0, B * K, K, device)
+        resid = self.residual(x.index_select(0, at), p.index_select(0, at), None if q is None else q.index_select(0, at))
         final = torch.where((num_accepted == K).unsqueeze(-1), target_probs[:, K], resid)
         next_tokens = self.sample(final, generator)
         step_distortion = None
         if dist is not None:
             # Every position up to and including the first rejection was decided by the rule.
-            visited = torch.arange(K, device=x.device).unsqueeze(0) <= num_accepted.unsqueeze(1)
+            visited = cached_arange(0, K, 1, device).unsqueeze(0) <= num_accepted.unsqueeze(1)
             step_distortion = (dist.view(B, K) * visited).sum(1)
         return AcceptanceResult(num_accepted, next_tokens, step_distortion, alpha)
+

@@ -27,8 +27,9 @@ def candidate_probs(x: torch.Tensor, dist: torch.Tensor | None, like: torch.Tens
 def capped_ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """min(1, num / den); a zero denominator (a draft q could not have produced) accepts
     whenever the numerator is positive."""
-    ratio = torch.where(den > 0, num / den.clamp_min(torch.finfo(num.dtype).tiny), (num > 0).to(num.dtype))
-    return ratio.clamp(max=1.0)
+    # num / 0 = inf for num > 0, capped to 1; num = 0 gives 0 whatever den is (0 / 0 = NaN is
+    # never selected). Four operations (it runs at every verification).
+    return torch.where(num > 0, (num / den).clamp(max=1.0), 0.0)
 
 
 def exact_residual(x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:

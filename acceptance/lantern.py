@@ -43,7 +43,8 @@ import math
 import torch
 
 from .base import ChainRule
-from mmspec.sampling import normalize
+from .exact import capped_ratio
+from mmspec.sampling import cached_arange, normalize
 
 # (data_ptr, shape, stride, dtype, device, version, normalize) -> int index tensor [V, k_max]
 _NEIGHBOUR_CACHE: dict[tuple, torch.Tensor] = {}
@@ -154,9 +155,10 @@ class LanternAcceptance(ChainRule):
         if self.k == 0:
             return px, torch.zeros_like(px), torch.zeros_like(x), ids, pn
         c = pn.cumsum(-1)  # c_j, non-decreasing in j
-        bound = px.new_full(px.shape, self.delta) if self.delta is not None else (self.lam - 1.0) * px
-        J = (c <= bound.unsqueeze(-1)).sum(-1)  # {j : c_j <= bound} is a prefix since c is sorted
-        c_J = torch.where(J > 0, c.gather(-1, (J - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1), torch.zeros_like(px))
+        within = c <= (self.delta if self.delta is not None else ((self.lam - 1.0) * px).unsqueeze(-1))
+        J = within.sum(-1)  # {j : c_j <= bound} is a prefix since c is sorted
+        # c_J = c_{J-1}, the largest c_j within the bound (c >= 0: 0 when there is none).
+        c_J = torch.where(within, c, 0.0).amax(-1)
         return px, c_J, J, ids, pn
 
     def neighbour_mass(self, x: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,15 +186,13 @@ class LanternAcceptance(ChainRule):
         pt = p_relaxed.clamp(max=1.0)
         if q is None:
             return pt
-        qx = q.gather(-1, x.unsqueeze(-1)).squeeze(-1)
-        ratio = torch.where(qx > 0, pt / qx.clamp_min(torch.finfo(p.dtype).tiny), (pt > 0).to(p.dtype))
-        return ratio.clamp(max=1.0)
+        return capped_ratio(pt, q.gather(-1, x.unsqueeze(-1)).squeeze(-1))
 
     def _zero_mask(self, c_J: torch.Tensor, J: torch.Tensor, ids: torch.Tensor, pn: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """keep [M, V]: 0 on the neighbours that lent mass: those of the first J with p > 0
         (a neighbour that lent nothing is not consumed, which keeps delta=0 exact with
         sampled drafts), or all k searched ones when x borrowed anything ("k" mode)."""
-        j = torch.arange(ids.shape[-1], device=ids.device)
+        j = cached_arange(0, ids.shape[-1], 1, ids.device)
         if self.zero_neighbours == "bound":
             lent = (j.unsqueeze(0) < J.unsqueeze(-1)) & (pn > 0)
         else:

@@ -8,11 +8,10 @@ stop costing draft *and* verify work):
     verdict = verify_draft(rule, draft, probs)             # per-row accepted path
     target.commit(info); drafter.commit(info, out)         # per-row rollback
 
-Output bookkeeping (EOS, `max_new_tokens`, finished rows) lives in `_Emitter`. The only host
-sync per step is the `.tolist()` that tells the host how many tokens each row kept (and
-whether it finished); everything else stays on the device. On the CPU, where that sync costs
-nothing, the bookkeeping after it runs in plain Python instead (`_Emitter._emit_host`: a third
-of the tensor operations; 3-5% less time per VLM request at batch 1 and 4 on a 2-core EPYC VM). Greedy (`temperature=0`) output
+Output bookkeeping (EOS, `max_new_tokens`, finished rows) lives in `mmspec.emit._Emitter`.
+The only host sync per step is the `.tolist()` that tells the host how many tokens each row
+kept (and whether it finished); everything else stays on the device (on the CPU, where a sync
+costs nothing, the bookkeeping after it runs on the host: `mmspec/emit.py`). Greedy (`temperature=0`) output
 equals plain greedy decoding token for token; with a lossless rule (`"exact"`) sampled output
 is distributed like plain sampling with the same temperature, top-k and top-p (Leviathan et
 al. 2023; Chen et al. 2023).
@@ -20,6 +19,7 @@ al. 2023; Chen et al. 2023).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +28,13 @@ import torch
 
 from mmspec.adaptive import DraftLengthController
 from mmspec.protocols import check_drafter, check_rule, check_target, is_target
-from mmspec.sampling import SamplingConfig, check_generator, process_logits
+from mmspec.sampling import SamplingConfig, check_generator, probs_finite, process_logits
 from mmspec.stats import SpecStats
 from mmspec.timing import PhaseTimer
 from mmspec.position_noise import PositionNoise
 from mmspec.tree import verify_draft
-from mmspec.types import CommitInfo, Draft, Verdict
+from mmspec.emit import _Emitter
+from mmspec.types import Draft
 
 
 @dataclass
@@ -204,191 +205,15 @@ def _finite(logits: torch.Tensor, probs: torch.Tensor, sampling: SamplingConfig)
     meaningless; -inf entries beside a finite maximum are masked tokens and fine)."""
     if sampling.greedy:
         return torch.isfinite(logits.amax(-1)).all()
-    return torch.isfinite(probs).all()
+    return probs_finite(probs)
 
 
-def _non_finite(which: str) -> ValueError:
-    """The error of a step whose `which` ("target" / "drafter") distribution was NaN or inf."""
-    return ValueError(f"non-finite probabilities (NaN or inf) in this step's {which} distribution; check the "
-                      "model's dtype and inputs (the output would be silently wrong)")
-
-
-class _Emitter:
-    """Output buffer and per-row progress: which tokens a step emits, EOS and length limits,
-    which rows are still active."""
-
-    def __init__(self, B: int, max_new_tokens: int, eos: list[int], pad_token_id: int, device):
-        self.max_new = max_new_tokens
-        self.eos = eos
-        self.eos_t = torch.tensor(eos, dtype=torch.long, device=device)
-        self.buf = torch.full((B, max_new_tokens + 1), pad_token_id, dtype=torch.long, device=device)
-        self.trash = max_new_tokens  # column that absorbs writes past a row's end
-        self.written = torch.ones(B, dtype=torch.long, device=device)  # the first token, from prefill
-        self.rows_dev = torch.arange(B, device=device)
-        self.rows_host = list(range(B))  # input row of each active row
-        self.new_tokens = [1] * B
-        self.written_host = [1] * B  # `written` on the host (kept by every path)
-        self.eos_set = frozenset(eos)
-        # On the CPU a step's bookkeeping runs on the host after its one sync (`_emit_host`):
-        # the same results as the tensor version in about a third of the operations. Elsewhere
-        # the tensor version keeps the work on the device until that sync.
-        self.on_host = torch.device(device).type == "cpu"
-        self._zero_info: dict[int, tuple] = {}
-
-    def first(self, roots: torch.Tensor) -> list[int]:
-        """Write the prefill token; returns the active rows that go on."""
-        self.buf[:, 0] = roots
-        # SYNC: once after prefill, to learn which rows ended with their first token.
-        ended = torch.isin(roots, self.eos_t).tolist() if self.eos else [False] * len(self.rows_host)
-        return [i for i, e in enumerate(ended) if not e and self.max_new > 1]
-
-    def emit(
-        self, tokens: torch.Tensor, verdict: Verdict, finite: torch.Tensor
-    ) -> tuple[CommitInfo, list[int], list[int], list[int]]:
-        """Record one step: returns (commit info, accepted counts, emitted counts, rows that go on).
-        `finite` [2] bool: the target's and the drafter's distributions were finite (checked
-        within the step's one sync)."""
-        if self.on_host:
-            return self._emit_host(tokens, verdict, finite)
-        Ba, N1 = tokens.shape
-        N = N1 - 1
-        device = tokens.device
-        n, path = verdict.num_accepted, verdict.path
-        local = torch.arange(Ba, device=device)
-        # Emitted this step: the accepted path's tokens, then the recovered / bonus token.
-        emitted = torch.cat([tokens.gather(1, path[:, 1:]), tokens.new_zeros(Ba, 1)], 1)  # [Ba, N+1]
-        emitted[local, n] = verdict.next_tokens
-        j = torch.arange(N + 1, device=device).unsqueeze(0)
-        count = n + 1
-        if self.eos:
-            hit = torch.isin(emitted, self.eos_t) & (j < count.unsqueeze(1))
-            first = torch.where(hit.any(1), hit.long().argmax(1), torch.full_like(count, N + 1))
-            count = torch.minimum(count, first + 1)
-        count = torch.minimum(count, self.max_new - self.written)
-        pos = torch.where(j < count.unsqueeze(1), self.written.unsqueeze(1) + j, torch.full_like(j, self.trash))
-        self.buf[self.rows_dev.unsqueeze(1).expand_as(pos), pos] = emitted
-        self.written = self.written + count
-        parts = [n, count, self.written, finite.long().min().expand(Ba)] + ([hit.any(1).long()] if self.eos else [])
-        host = torch.stack(parts).tolist()  # SYNC: the one per step (accepted counts, ends, finiteness)
-        if Ba and not host[3][0]:
-            raise _non_finite("target" if not bool(finite[0]) else "drafter")
-        host = host[:3] + host[4:]
-        n_host, count_host, written_host = host[0], host[1], host[2]
-        self.written_host = written_host
-        ended = host[3] if self.eos else [0] * Ba
-        for r, c in zip(self.rows_host, count_host):
-            self.new_tokens[r] += c
-        accepted = torch.where(j[:, :N] < n.unsqueeze(1), emitted[:, :N], torch.full_like(emitted[:, :N], -1))
-        info = CommitInfo(
-            path=path, num_accepted=n, accepted_tokens=accepted, next_tokens=verdict.next_tokens,
-            num_accepted_list=n_host,
-        )
-        keep = [i for i in range(Ba) if not ended[i] and written_host[i] < self.max_new]
-        return info, n_host, count_host, keep
-
-    def _emit_host(self, tokens: torch.Tensor, verdict: Verdict, finite: torch.Tensor
-                   ) -> tuple[CommitInfo, list[int], list[int], list[int]]:
-        """`emit` with the bookkeeping on the host (CPU tensors): one `.tolist()` of the accepted
-        counts, next tokens, finiteness and the drafted tokens along each row's path, then
-        plain Python per row and one indexed write of the output buffer."""
-        Ba, N1 = tokens.shape
-        N = N1 - 1
-        n, path = verdict.num_accepted, verdict.path
-        drafted = tokens.gather(1, path[:, 1:])  # [Ba, N] the tokens along each row's path
-        host = torch.cat([n.unsqueeze(1), verdict.next_tokens.unsqueeze(1).to(drafted.dtype),
-                          finite.long().min().expand(Ba, 1), drafted], 1).tolist()  # SYNC: the one per step
-        if Ba and not host[0][2]:
-            raise _non_finite("target" if not bool(finite[0]) else "drafter")
-        eos, max_new = self.eos_set, self.max_new
-        n_host, count_host, keep, accepted = [], [], [], []
-        rows, cols, vals = [], [], []
-        written = self.written_host
-        for i, row in enumerate(host):
-            a = row[0]
-            path_tokens = row[3:3 + a]
-            out = path_tokens + [row[1]]  # accepted drafts, then the recovered / bonus token
-            ended = False
-            if eos:
-                for j, t in enumerate(out):
-                    if t in eos:
-                        out, ended = out[: j + 1], True
-                        break
-            w = written[i]
-            count = min(len(out), max_new - w)
-            r = self.rows_host[i]
-            rows += [r] * count
-            cols += range(w, w + count)
-            vals += out[:count]
-            written[i] = w + count
-            self.new_tokens[r] += count
-            n_host.append(a)
-            count_host.append(count)
-            accepted.append(path_tokens + [-1] * (N - a))
-            if not ended and w + count < max_new:
-                keep.append(i)
-        if vals:
-            self.buf[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(vals, dtype=self.buf.dtype)
-        self.written = torch.tensor(written, dtype=torch.long)
-        info = CommitInfo(
-            path=path, num_accepted=n, accepted_tokens=torch.tensor(accepted, dtype=torch.long).view(Ba, N),
-            next_tokens=verdict.next_tokens, num_accepted_list=n_host,
-        )
-        return info, n_host, count_host, keep
-
-    def emit_root(self, next_tokens: torch.Tensor, finite: torch.Tensor) -> tuple[CommitInfo, list[int], list[int], list[int]]:
-        """`emit` for a step that verified the roots alone (K = 0): one token per row."""
-        Ba = next_tokens.shape[0]
-        # Active rows have written < max_new (finished rows were dropped), so each takes its token.
-        self.buf[self.rows_dev, self.written] = next_tokens
-        self.written = self.written + 1
-        if self.on_host:
-            return self._emit_root_host(next_tokens, finite)
-        parts = [self.written, finite.long().expand(Ba)]
-        if self.eos:
-            parts.append(torch.isin(next_tokens, self.eos_t).long())
-        host = torch.stack(parts).tolist()  # SYNC: the one per step
-        if Ba and not host[1][0]:
-            raise _non_finite("target")
-        written_host = self.written_host = host[0]
-        ended = host[2] if self.eos else [0] * Ba
-        for r in self.rows_host:
-            self.new_tokens[r] += 1
-        zeros = torch.zeros(Ba, dtype=torch.long, device=next_tokens.device)
-        info = CommitInfo(
-            path=zeros.unsqueeze(1), num_accepted=zeros, accepted_tokens=zeros.new_empty(Ba, 0),
-            next_tokens=next_tokens, num_accepted_list=[0] * Ba,
-        )
-        keep = [i for i in range(Ba) if not ended[i] and written_host[i] < self.max_new]
-        return info, [0] * Ba, [1] * Ba, keep
-
-    def _emit_root_host(self, next_tokens: torch.Tensor, finite: torch.Tensor):
-        """The rest of `emit_root` on the host (CPU tensors; the buffer is written)."""
-        Ba = next_tokens.shape[0]
-        tokens = next_tokens.tolist()  # SYNC: the one per step
-        if Ba and not bool(finite):
-            raise _non_finite("target")
-        eos, max_new = self.eos_set, self.max_new
-        written = self.written_host = [w + 1 for w in self.written_host]
-        for r in self.rows_host:
-            self.new_tokens[r] += 1
-        keep = [i for i in range(Ba) if tokens[i] not in eos and written[i] < max_new]
-        zero = self._zero_info.get(Ba)
-        if zero is None:  # the K = 0 commit info of Ba rows, built once (never written to)
-            zeros = torch.zeros(Ba, dtype=torch.long, device=next_tokens.device)
-            zero = self._zero_info[Ba] = (zeros.unsqueeze(1), zeros, zeros.new_empty(Ba, 0))
-        info = CommitInfo(path=zero[0], num_accepted=zero[1], accepted_tokens=zero[2], next_tokens=next_tokens,
-                          num_accepted_list=[0] * Ba)
-        return info, [0] * Ba, [1] * Ba, keep
-
-    def select(self, keep: list[int]) -> torch.Tensor:
-        idx = torch.tensor(keep, dtype=torch.long, device=self.buf.device)
-        self.written, self.rows_dev = self.written[idx], self.rows_dev[idx]
-        self.rows_host = [self.rows_host[i] for i in keep]
-        self.written_host = [self.written_host[i] for i in keep]
-        return idx
-
-    def sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return torch.cat([input_ids, self.buf[:, : max(self.new_tokens)]], 1)
+def _finite_host(logits: torch.Tensor, probs: torch.Tensor, sampling: SamplingConfig) -> bool:
+    """`_finite` as a host bool (CPU tensors). Probabilities lie in [0, 1], so their sum is
+    finite exactly when every entry is."""
+    if sampling.greedy:
+        return bool(torch.isfinite(logits.amax(-1)).all())
+    return math.isfinite(float(probs.sum()))
 
 
 @torch.no_grad()
@@ -538,7 +363,7 @@ class _Loop:
             # K = 0 (plain decoding, e.g. chosen by the adaptive controller): the rule's own
             # K = 0 answer (sample the target) without the chain machinery around it.
             probs = process_logits(tout.logits[:, -1], self.sampling)  # [Ba, V]
-            finite = _finite(tout.logits[:, -1], probs, self.sampling)
+            finite = (_finite_host if emitter.on_host else _finite)(tout.logits[:, -1], probs, self.sampling)
             next_tokens = (self.rule.sample(probs, self.generator) if starts is None
                            else self.noise.argmax(probs.unsqueeze(1), rows, starts)[:, 0])
             info, n_host, count_host, keep = emitter.emit_root(next_tokens, finite)
@@ -546,12 +371,16 @@ class _Loop:
         else:
             probs = process_logits(tout.logits, self.sampling)  # [Ba, N+1, V]
             # Checked within the step's one sync; a deterministic draft (no q) is always finite.
-            drafted_ok = (torch.isfinite(draft.draft_probs).all() if draft.draft_probs is not None
-                          else probs.new_ones((), dtype=torch.bool))
-            finite = torch.stack([_finite(tout.logits, probs, self.sampling), drafted_ok])
+            if emitter.on_host:  # on the CPU as host booleans (a read costs no more than an operation there)
+                finite = (_finite_host(tout.logits, probs, self.sampling),
+                          draft.draft_probs is None or math.isfinite(float(draft.draft_probs.sum())))
+            else:
+                drafted_ok = (probs_finite(draft.draft_probs) if draft.draft_probs is not None
+                              else probs.new_ones((), dtype=torch.bool))
+                finite = torch.stack([_finite(tout.logits, probs, self.sampling), drafted_ok])
             verdict = (verify_draft(self.rule, draft, probs, generator=self.generator) if starts is None
                        else self.noise.verdict(self.rule, draft, probs, rows, starts))  # acceptance="invariant"
-            info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite)
+            info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite, draft.is_chain)
         info.is_chain = draft.is_chain
         if verdict is not None and verdict.distortion is not None:  # summed on the device; read once at the end
             self.distortion = self.distortion + verdict.distortion.sum().to(torch.float64)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from mmspec.sampling import cached_arange
 from mmspec.spec import ForwardSpec, SpecOutput, SpecRunner
 from mmspec.tree import ancestors, depths
 from mmspec.types import CommitInfo, FeatureRequest, TargetOutput
@@ -19,9 +20,14 @@ from mmspec.types import CommitInfo, FeatureRequest, TargetOutput
 
 def chain_visibility(batch: int, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal visibility [B, Q, Q] and depth [B, Q] of a chain of Q tokens."""
-    vis = torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(batch, q, q)
-    depth = torch.arange(q, device=device).expand(batch, q)
-    return vis, depth
+    key = (q, device if isinstance(device, torch.device) else torch.device(device))
+    tri = _TRIANGLES.get(key)
+    if tri is None:  # built once per length and device, shared (read only: expanded views)
+        tri = _TRIANGLES[key] = torch.ones(q, q, dtype=torch.bool, device=device).tril()
+    return tri.expand(batch, q, q), cached_arange(0, q, 1, device).expand(batch, q)
+
+
+_TRIANGLES: dict = {}
 
 
 def tree_visibility(parents: torch.Tensor | None, batch: int, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import draw
+from mmspec.sampling import cached_arange, draw
 from mmspec.types import Draft, Verdict
 
 
 def chain_parents(batch: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Parents [B, K] of a chain: [-1, 0, 1, ..., K-2]."""
-    return (torch.arange(length, device=device) - 1).unsqueeze(0).expand(batch, length)
+    return cached_arange(-1, length - 1, 1, device).unsqueeze(0).expand(batch, length)  # shared: read only
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -123,5 +123,5 @@ def verify_draft(
     B, N = draft.tokens.shape
     chain_verify = getattr(rule, "verify_unchecked", None) or rule.verify
     res = chain_verify(draft.tokens, draft.draft_probs, target_probs, generator=generator)
-    path = torch.arange(N + 1, device=draft.tokens.device).expand(B, N + 1)
+    path = cached_arange(0, N + 1, 1, draft.tokens.device).expand(B, N + 1)
     return Verdict(path=path, num_accepted=res.num_accepted, next_tokens=res.next_tokens, distortion=res.distortion)

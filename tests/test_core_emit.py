@@ -53,13 +53,13 @@ def test_host_and_tensor_bookkeeping_agree(eos, tree):
                 b_info, *b = dev.emit_root(roots, torch.tensor(True))
             else:
                 tokens, verdict = _step(rng, len(host.rows_host), N, tree)
-                a_info, *a = host.emit(tokens, verdict, finite)
+                a_info, *a = host.emit(tokens, verdict, finite, chain=not tree)
                 b_info, *b = dev.emit(tokens, verdict, finite)
             assert a == b  # accepted counts, emitted counts, rows that go on
             for field in ("path", "num_accepted", "accepted_tokens", "next_tokens"):
                 assert torch.equal(getattr(a_info, field), getattr(b_info, field)), field
             assert a_info.num_accepted_list == b_info.num_accepted_list
-            assert torch.equal(host.written, dev.written) and host.written_host == dev.written.tolist()
+            assert host.written_host == dev.written.tolist()  # (the host path keeps `written` on the host only)
             steps_with_drops += len(a[2]) < len(a[0])
             host.select(a[2]), dev.select(a[2])
         ids = torch.zeros(B, 2, dtype=torch.long)
