@@ -142,8 +142,8 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     total = cdf[:, -1:]
     # On the CPU the check runs on the host (two reads; NaN fails every comparison) and the
     # replacement only when a row is bad; elsewhere it is a `where`, so that no sync is added.
-    if cdf.device.type != "cpu" or not (all(0 < t < math.inf for t in total.view(-1).tolist())
-                                         and float(probs.min()) >= 0):
+    if cdf.device.type != "cpu" or (probs.numel() and not (all(0 < t < math.inf for t in total.view(-1).tolist())
+                                                            and float(probs.min()) >= 0)):
         good = (total > 0) & (total < math.inf) & (probs.amin(-1, keepdim=True) >= 0)
         cdf = torch.where(good, cdf, torch.arange(1, probs.shape[-1] + 1, device=cdf.device, dtype=cdf.dtype))
         total = cdf[:, -1:]

@@ -67,6 +67,7 @@ def test_sample_from_is_the_inverse_cdf_draw_of_the_same_uniforms(dtype):
     want = [sum(1 for c in row if c <= uu * row[-1]) for row, uu in zip(cdf.tolist(), u.view(-1).tolist())]
     assert got.tolist() == want
     assert bool((w.gather(1, got.unsqueeze(1)) > 0).all())  # never a zero-weight token
+    assert sample_from(w[:0], torch.Generator().manual_seed(5)).shape == (0,)  # no rows: no draw, no error
 
 
 def test_normalize_divides_rows_with_mass_and_falls_back_on_the_others():
