@@ -171,6 +171,10 @@ class ModelDrafter(DraftsWithPositionNoise):
 
     # ---- protocol --------------------------------------------------------------------------
     def prefill(self, input_ids, attention_mask, target_out: TargetOutput, model_inputs: dict[str, Any], max_new_tokens: int):
+        w = self.shadow_window  # a class attribute a user may override: checked where it is read from
+        if self.shadow_probes and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"ModelDrafter.shadow_window must be an int >= 1 (the plain-stretch tokens a shadow probe "
+                             f"reads), got {w!r}")
         if self.tree is not None:
             region = self.tree.depth * self.tree.top_k + self.tree.depth + 2
         else:

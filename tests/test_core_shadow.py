@@ -170,3 +170,14 @@ def test_a_probe_from_plain_decoding_is_a_shadow_that_can_switch_speculation_on(
     plain = DraftLengthController(4, probe_every=16, max_probe_every=64)
     feed(plain, 1, 300, 0.0, flat_verify, 0.002)
     assert any(k > 0 for k in plain.history[len(plain.warmup) + 3:])
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True, "32"])
+def test_a_shadow_window_that_cannot_be_honoured_is_refused_by_name(target, good_drafter, window):
+    ids, mask = left_padded([5, 7])
+    d = ModelDrafter(good_drafter, "auto", max_draft_tokens=4)
+    d.shadow_window = window
+    with pytest.raises(ValueError, match="shadow_window must be an int >= 1"):
+        mmspec.speculative_generate(target, d, ids, mask, temperature=0, max_new_tokens=6, pad_token_id=0)
+    d.shadow_window = 5  # a valid window runs (and greedy output is plain greedy output: the other tests)
+    mmspec.speculative_generate(target, d, ids, mask, temperature=0, max_new_tokens=6, pad_token_id=0)
