@@ -213,6 +213,12 @@ def _finite_host(logits: torch.Tensor, probs: torch.Tensor, sampling: SamplingCo
     finite exactly when every entry is."""
     if sampling.greedy:
         return bool(torch.isfinite(logits.amax(-1)).all())
+    return _probs_finite_host(probs)
+
+
+def _probs_finite_host(probs: torch.Tensor) -> bool:
+    """`probs_finite` as a host bool: entries in [0, 1] sum to a finite total exactly when
+    none is NaN or inf."""
     return math.isfinite(float(probs.sum()))
 
 
@@ -373,7 +379,7 @@ class _Loop:
             # Checked within the step's one sync; a deterministic draft (no q) is always finite.
             if emitter.on_host:  # on the CPU as host booleans (a read costs no more than an operation there)
                 finite = (_finite_host(tout.logits, probs, self.sampling),
-                          draft.draft_probs is None or math.isfinite(float(draft.draft_probs.sum())))
+                          draft.draft_probs is None or _probs_finite_host(draft.draft_probs))
             else:
                 drafted_ok = (probs_finite(draft.draft_probs) if draft.draft_probs is not None
                               else probs.new_ones((), dtype=torch.bool))

@@ -155,25 +155,31 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
 _CONSTANTS: dict = {}
 
 
+def shared_tensor(key: tuple, build) -> torch.Tensor:
+    """The tensor `build()` made the first time `key` is asked for, then the same object: small
+    constant tensors of the step's shapes (index ranges, masks) that were rebuilt every step
+    otherwise (each a few microseconds on a CPU, where a step's bookkeeping is made of such
+    calls). Shared by every caller: never write to it (callers hand out views of it)."""
+    out = _CONSTANTS.get(key)
+    if out is None:
+        out = _CONSTANTS[key] = build()
+    return out
+
+
+def _device(device) -> torch.device | None:
+    return device if device is None or isinstance(device, torch.device) else torch.device(device)
+
+
 def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-dim zero of `dtype` on `device`, made once (never written to)."""
-    key = ("zero", dtype, device)
-    zero = _CONSTANTS.get(key)
-    if zero is None:
-        zero = _CONSTANTS[key] = torch.zeros((), dtype=dtype, device=device)
-    return zero
+    """A 0-dim zero of `dtype` on `device` (shared)."""
+    return shared_tensor(("zero", dtype, _device(device)), lambda: torch.zeros((), dtype=dtype, device=device))
 
 
 def cached_arange(start: int, stop: int, step: int = 1, device=None) -> torch.Tensor:
-    """`torch.arange(start, stop, step)` (long) on `device`, built once per arguments and shared:
-    callers must never write to it. Index tensors of the step's small shapes are rebuilt every
-    step otherwise (each a few microseconds on a CPU, where a step's bookkeeping is made of
-    such calls)."""
-    key = (start, stop, step, device if isinstance(device, torch.device) or device is None else torch.device(device))
-    out = _CONSTANTS.get(key)
-    if out is None:
-        out = _CONSTANTS[key] = torch.arange(start, stop, step, device=device)
-    return out
+    """`torch.arange(start, stop, step)` (long) on `device`, built once per arguments
+    (`shared_tensor`: never write to it)."""
+    return shared_tensor(("arange", start, stop, step, _device(device)),
+                         lambda: torch.arange(start, stop, step, device=device))
 
 
 def normalize(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

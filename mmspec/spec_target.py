@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mmspec.sampling import cached_arange
+from mmspec.sampling import cached_arange, shared_tensor
 from mmspec.spec import ForwardSpec, SpecOutput, SpecRunner
 from mmspec.tree import ancestors, depths
 from mmspec.types import CommitInfo, FeatureRequest, TargetOutput
@@ -20,14 +20,9 @@ from mmspec.types import CommitInfo, FeatureRequest, TargetOutput
 
 def chain_visibility(batch: int, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal visibility [B, Q, Q] and depth [B, Q] of a chain of Q tokens."""
-    key = (q, device if isinstance(device, torch.device) else torch.device(device))
-    tri = _TRIANGLES.get(key)
-    if tri is None:  # built once per length and device, shared (read only: expanded views)
-        tri = _TRIANGLES[key] = torch.ones(q, q, dtype=torch.bool, device=device).tril()
-    return tri.expand(batch, q, q), cached_arange(0, q, 1, device).expand(batch, q)
-
-
-_TRIANGLES: dict = {}
+    tri = shared_tensor(("causal", q, torch.device(device)),
+                        lambda: torch.ones(q, q, dtype=torch.bool, device=device).tril())
+    return tri.expand(batch, q, q), cached_arange(0, q, 1, device).expand(batch, q)  # shared: read only
 
 
 def tree_visibility(parents: torch.Tensor | None, batch: int, q: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from mmspec.acceptance.lantern import LanternAcceptance
 from mmspec.drafters import JacobiDrafter
 from mmspec.engine import _finite, _finite_host
 from mmspec.sampling import SamplingConfig, cached_arange, normalize, probs_finite, sample_from
+from mmspec.spec_target import chain_visibility
 from mmspec.tree import chain_parents
 from mmspec.types import TargetOutput
 
@@ -100,6 +101,25 @@ def test_cached_index_tensors_are_right_and_shared():
     assert a.tolist() == [0, 3, 6, 9] and cached_arange(0, 12, 3) is a
     assert chain_parents(2, 4).tolist() == [[-1, 0, 1, 2]] * 2
     assert chain_parents(1, 1).tolist() == [[-1]]
+    vis, depth = chain_visibility(2, 3, "cpu")
+    assert vis.tolist() == [[[True, False, False], [True, True, False], [True, True, True]]] * 2
+    assert depth.tolist() == [[0, 1, 2]] * 2 and chain_visibility(1, 3, torch.device("cpu"))[0].data_ptr() == vis.data_ptr()
+
+
+def test_shared_tensors_are_intact_after_speculative_runs():
+    """Batch-1 views of the shared tensors are writable (a size-1 batch dimension): a step that
+    wrote into a path, parents, depth or visibility would corrupt every later step; none does."""
+    from mmspec.bench.imagegen import DEFAULT_MODEL, load_pipeline
+
+    pipe = load_pipeline(DEFAULT_MODEL)
+    pipe.drafter = JacobiDrafter(6, "gumbel")
+    for acceptance in ("exact", "lantern"):
+        pipe([3], acceptance=acceptance, generator=torch.Generator().manual_seed(0), output_type="latent")
+    for n in range(1, 8):
+        assert cached_arange(0, n).tolist() == list(range(n))
+        assert chain_parents(1, n).tolist() == [list(range(-1, n - 1))]
+        vis, depth = chain_visibility(1, n, "cpu")
+        assert torch.equal(vis[0], torch.ones(n, n, dtype=torch.bool).tril()) and depth[0].tolist() == list(range(n))
 
 
 def test_gumbel_coupled_draft_is_the_gumbel_max_of_the_stored_noise():
