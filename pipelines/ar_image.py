@@ -47,13 +47,14 @@ from diffusers import DiffusionPipeline, ModelMixin
 from diffusers.utils import BaseOutput, is_accelerate_available
 
 import mmspec
-from mmspec.acceptance import is_position_keyed
+from mmspec.acceptance import RULES, get_rule, is_position_keyed
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
 from mmspec.models.llamagen_gpt import LlamaGenGPT
 from mmspec.models.llamagen_sample import CFG_SCHEDULES
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
 from mmspec.protocols import implements_drafter
+from mmspec.sampling import SamplingConfig
 from mmspec.stats import SpecStats
 
 
@@ -380,6 +381,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         V, T = self.target.args.vocab_size, self.num_tokens
         if top_k is not None and (not isinstance(top_k, int) or top_k > V):
             raise ValueError(f"top_k={top_k!r} exceeds the codebook size {V} (or is not an int)")
+        # Refused here, before the progress bar starts, rather than inside the loop under a 0% bar.
+        SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        if isinstance(acceptance, str) and acceptance not in RULES:
+            get_rule(acceptance)  # raises, naming the known rules
         self.check_components()
         labels = labels.repeat_interleave(num_images_per_prompt).to(self.target.device)
         B = labels.shape[0]

@@ -257,3 +257,19 @@ def test_linear_kernels_are_a_pipeline_setting():
     with pytest.raises(ValueError, match="float32 only"):
         pipe64([0], output_type="latent")
     assert method_spec("exact/jacobi-maximal@8" + STOCK) == method_spec("exact/jacobi-maximal@8")
+
+
+def test_sampling_settings_are_refused_before_the_progress_bar_starts(capsys):
+    """temperature / top_k / top_p / an unknown rule name were checked inside the loop, so a
+    user saw a 0% progress bar and then the error; now they fail before any bar is drawn."""
+    pipe = make_pipe(torch.float32)
+    pipe.set_progress_bar_config(disable=False)
+    cases = [(dict(temperature=-1.0), "temperature must be"), (dict(top_k=0), "top_k must be None or an int >= 1"),
+             (dict(top_p=1.5), "top_p must be None"), (dict(acceptance="foo"), "acceptance='foo' is not a known rule"),
+             (dict(acceptance="continuous"), "verifies continuous tokens")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            pipe([0], **kwargs)
+        assert "it/s" not in capsys.readouterr().err, kwargs  # no bar was drawn
+    pipe([0], num_images_per_prompt=1, output_type="latent")  # a valid call does draw it
+    assert "it/s" in capsys.readouterr().err
