@@ -167,6 +167,30 @@ class MARRun:
     cfg_of_step: torch.Tensor  # [num_iter] float64: guidance scale of each step
 
 
+def check_sampling(temperature, guidance_scale, cfg_schedule: str = "linear") -> None:
+    """Refuse a temperature, guidance scale or schedule a request cannot honour (bool is not a
+    number here)."""
+    if cfg_schedule not in ("linear", "constant"):
+        raise ValueError(f"cfg_schedule must be 'linear' or 'constant', got {cfg_schedule!r}")
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
+                                             and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(guidance_scale, bool) or not (isinstance(guidance_scale, (int, float)) and math.isfinite(guidance_scale)):
+        raise ValueError(f"guidance_scale must be a finite number, got {guidance_scale!r}")
+
+
+def check_speculative(temperature, num_draft_steps, prefill_fraction=None) -> None:
+    """Refuse what speculative sampling cannot honour: a zero temperature, a draft length that is
+    not an int >= 1, a prefill fraction outside [0, 1] (None: not used, as with self-drafting)."""
+    if not temperature > 0:
+        raise ValueError("temperature must be > 0 for speculative sampling (a zero-variance Gaussian cannot be verified)")
+    if not isinstance(num_draft_steps, int) or isinstance(num_draft_steps, bool) or num_draft_steps < 1:
+        raise ValueError(f"num_draft_steps must be an int >= 1, got {num_draft_steps!r}")
+    if prefill_fraction is not None and (isinstance(prefill_fraction, bool) or not isinstance(prefill_fraction, (int, float))
+                                         or not 0.0 <= prefill_fraction <= 1.0):
+        raise ValueError(f"prefill_fraction must be a number in [0, 1], got {prefill_fraction!r}")
+
+
 def setup_run(target, class_labels, num_iter, guidance_scale, cfg_schedule, temperature, generator, noise) -> MARRun:
     """Validate a request's common arguments and derive its schedule, noise and step map."""
     if not isinstance(target, MARModel):
@@ -179,10 +203,7 @@ def setup_run(target, class_labels, num_iter, guidance_scale, cfg_schedule, temp
         raise ValueError("class_labels must be a 1-D long tensor of class ids")
     if class_labels.numel() and (int(class_labels.min()) < 0 or int(class_labels.max()) >= cfg.class_num):  # SYNC: validation
         raise ValueError(f"class_labels must be in [0, {cfg.class_num}), got {class_labels.tolist()}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not (isinstance(guidance_scale, (int, float)) and math.isfinite(guidance_scale)):
-        raise ValueError(f"guidance_scale must be a finite number, got {guidance_scale!r}")
+    check_sampling(temperature, guidance_scale, cfg_schedule)
     cfg_of_step = _cfg_scales(lens, L, float(guidance_scale), cfg_schedule)
     B = class_labels.shape[0]
     dev, dtype = target.device, target.dtype
@@ -224,14 +245,9 @@ def sample_mar(
     run = setup_run(target, class_labels, num_iter, guidance_scale, cfg_schedule, temperature, generator, noise)
     if drafter is not None:
         check_drafter(target, drafter)
-        if temperature <= 0:
-            raise ValueError("temperature must be > 0 for speculative sampling (a zero-variance Gaussian cannot be verified)")
         if not final_step_noise:
             raise ValueError("final_step_noise=False is plain sampling only: speculative verification needs a Gaussian last step")
-        if not isinstance(num_draft_steps, int) or isinstance(num_draft_steps, bool) or num_draft_steps < 1:
-            raise ValueError(f"num_draft_steps must be an int >= 1, got {num_draft_steps!r}")
-        if not 0.0 <= prefill_fraction <= 1.0:
-            raise ValueError(f"prefill_fraction must be in [0, 1], got {prefill_fraction!r}")
+        check_speculative(temperature, num_draft_steps, prefill_fraction)
     acceptance = acceptance or ContinuousAcceptance()
     B, L, D = run.labels.shape[0], target.seq_len, target.token_embed_dim
     dev, dtype = target.device, target.dtype

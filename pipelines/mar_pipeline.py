@@ -30,7 +30,7 @@ from diffusers.utils import BaseOutput, is_accelerate_available
 from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
 from mmspec.adaptive_window import WindowBandit
 from mmspec.models.mar import MARModel, mar_schedule
-from mmspec.pipelines.cspd import MARStats, check_drafter, sample_mar
+from mmspec.pipelines.cspd import MARStats, check_drafter, check_sampling, check_speculative, sample_mar
 from mmspec.pipelines.cspd_self import sample_mar_self
 
 # num_draft_steps="auto" with draft="self": the arms are K = 0 (plain sampling) .. this many
@@ -144,6 +144,11 @@ class SpeculativeMARPipeline(DiffusionPipeline):
                 raise ValueError("speculative=True needs a drafter: pass drafter= to the pipeline or use speculative=False")
             check_drafter(self.transformer, self.drafter)
             drafter = self.drafter
+        # Refused here rather than inside the sampler, under a progress bar already drawn.
+        check_sampling(temperature, guidance_scale, cfg_schedule)
+        if speculative:
+            check_speculative(temperature, 1 if num_draft_steps == "auto" else num_draft_steps,
+                              None if self_draft else prefill_fraction)
         bar = self.progress_bar(total=num_iter)
         done = [0]
 

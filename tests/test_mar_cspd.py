@@ -286,6 +286,30 @@ def test_pipeline_refuses_bad_inputs():
         pipe([0], num_iter=2, speculative=False, output_type="jpg")
 
 
+def test_pipeline_refuses_sampling_settings_before_its_progress_bar(capsys):
+    """temperature, guidance, schedule and the draft options were checked inside the sampler, so a
+    user saw a 0% bar before the error (and the bar was left open); now nothing is drawn first."""
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    m = tiny_mar()
+    pipe = SpeculativeMARPipeline(transformer=m, vae=tiny_vae(), drafter=tiny_mar(seed=1))
+    cases = [(dict(temperature=-1.0, speculative=False), "temperature must be a finite number >= 0"),
+             (dict(temperature=True, speculative=False), "temperature must be a finite number >= 0"),
+             (dict(guidance_scale=float("nan"), speculative=False), "guidance_scale must be a finite number"),
+             (dict(cfg_schedule="cosine", speculative=False), "cfg_schedule must be 'linear' or 'constant'"),
+             (dict(temperature=0.0), "temperature must be > 0 for speculative sampling"),
+             (dict(num_draft_steps=0), "num_draft_steps must be an int >= 1"),
+             (dict(num_draft_steps="four", draft="self"), "num_draft_steps must be an int >= 1"),
+             (dict(prefill_fraction=1.5), r"prefill_fraction must be a number in \[0, 1\]"),
+             (dict(prefill_fraction="half"), r"prefill_fraction must be a number in \[0, 1\]")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            pipe([0], num_iter=2, **kwargs)
+        assert "it/s" not in capsys.readouterr().err, kwargs  # no bar was drawn
+    pipe([0], num_iter=2, output_type="latent")  # a valid call draws it
+    assert "it/s" in capsys.readouterr().err
+
+
 def test_bad_models_are_refused():
     from mmspec.pipelines import SpeculativeMARPipeline
 
