@@ -291,7 +291,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             prompts = [prompts] * n
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} images; give one prompt per image (None = caption)")
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")

@@ -129,6 +129,8 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         pipe(img[:1], ["a", "b"])
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe(img[:1], speculative="no")
+    with pytest.raises(ValueError, match="batch_size must be None or an int >= 1, got True"):  # read as 1
+        pipe(img[:1], batch_size=True)
     # a name where a component belongs (diffusers failed with AttributeError '__module__')
     with pytest.raises(TypeError, match=r"got str; to switch to a saved drafter by name call pipe.load_drafter\('eagle'\)"):
         pipe.drafter = "eagle"
