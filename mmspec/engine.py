@@ -84,6 +84,10 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
             f"{tuple(getattr(attention_mask, 'shape', ()))}"
         )
+    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):  # SYNC: input validation, once per call
+        # -1 for padding read as a token (a silently different answer); 0.5 read as padding
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (a real token), as a tokenizer returns it; "
+                         f"got other values, e.g. {attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()!r}")
     am = attention_mask.long()
     # SYNC: input validation, once per call. Left padding: once a row starts it stays on.
     if bool(((am[:, 1:] - am[:, :-1]) < 0).any()) or bool((am.sum(1) == 0).any()):

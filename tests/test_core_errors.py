@@ -36,6 +36,10 @@ def run(pair, **kw):
         (dict(input_ids=torch.ones(2, 3)), "input_ids"),
         (dict(attention_mask=torch.ones(2, 9, dtype=torch.long)), "attention_mask"),
         (dict(attention_mask=torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])), "left-padded"),
+        # -1 for padding was read as a token (a different answer, silently); 0.5 as padding
+        (dict(attention_mask=torch.tensor([[-1, 1, 1, 1], [1, 1, 1, 1]])), "only 0 .padding. and 1"),
+        (dict(attention_mask=torch.tensor([[0.5, 1, 1, 1], [1, 1, 1, 1]])), "e.g. 0.5"),
+        (dict(attention_mask=torch.tensor([[0, 2, 2, 2], [2, 2, 2, 2]])), "e.g. 2"),
         (dict(acceptance="nope"), "acceptance"),
         (dict(eos_token_id=-3), "eos_token_id"),
         (dict(pad_token_id=-1), "pad_token_id"),
@@ -46,6 +50,13 @@ def run(pair, **kw):
 def test_bad_arguments_raise_value_error(pair, kwargs, word):
     with pytest.raises(ValueError, match=word):
         run(pair, **kwargs)
+
+
+def test_bool_and_float_masks_of_zeros_and_ones_are_honoured(pair):
+    ids, mask = left_padded([4, 3])
+    ref = run(pair, attention_mask=mask).sequences
+    assert torch.equal(run(pair, attention_mask=mask.bool()).sequences, ref)
+    assert torch.equal(run(pair, attention_mask=mask.float()).sequences, ref)
 
 
 def test_mismatched_vocabularies(pair):
