@@ -86,6 +86,9 @@ class JacobiDrafter(DraftsWithPositionNoise):
             raise ValueError(f"coupling={coupling!r}: must be one of {COUPLINGS}")
         if init not in INITS:
             raise ValueError(f"init={init!r}: must be one of {INITS}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size must be None (set by the pipeline) or an int >= 1, the target's vocabulary "
+                             f"size; got {vocab_size!r}")
         self.window = window  # an int, or "auto"
         self.max_window = max_window if self.adaptive else window
         self.coupling = coupling

@@ -20,6 +20,8 @@ class NullDrafter:
     draft_calls = 0
 
     def __init__(self, vocab_size: int):
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1 (the target's vocabulary size), got {vocab_size!r}")
         self.vocab_size = vocab_size
 
     def prefill(self, input_ids, attention_mask, target_out, model_inputs, max_new_tokens) -> None:

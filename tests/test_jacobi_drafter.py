@@ -184,6 +184,14 @@ def test_jacobi_refusals():
         JacobiDrafter(0)
     with pytest.raises(ValueError, match="init"):
         JacobiDrafter(4, init="zeros")
+    for bad in (0, True, 24.0):  # were accepted, and surfaced (if at all) as a vocabulary mismatch later
+        with pytest.raises(ValueError, match="vocab_size must be None .set by the pipeline. or an int >= 1"):
+            JacobiDrafter(4, vocab_size=bad)
+    from mmspec.drafters import NullDrafter
+
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="vocab_size must be an int >= 1"):
+            NullDrafter(bad)
     gpt = tiny_gpt(0)
     with pytest.raises(ValueError, match="vocab"):
         run(llamagen_target(gpt), JacobiDrafter(4, vocab_size=7), temperature=0)
