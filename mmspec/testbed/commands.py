@@ -31,8 +31,11 @@ def cmd_data(args) -> int:
 
     if args.n < 1:
         raise SystemExit(f"mmspec testbed data: --n must be >= 1 (scenes to render), got {args.n}")
+    try:
+        world = World(seed=args.seed, image_size=args.image_size, split=args.split)
+    except ValueError as e:  # e.g. --image-size 0: a message, not a traceback
+        raise SystemExit(f"mmspec testbed data: {e}") from None
     os.makedirs(args.out, exist_ok=True)
-    world = World(seed=args.seed, image_size=args.image_size, split=args.split)
     with open(os.path.join(args.out, "scenes.jsonl"), "w") as f:
         for i in tqdm(range(args.n), desc=f"render {args.split}"):
             scene = world.scene(i)
