@@ -194,3 +194,20 @@ def test_train_imagegen_refuses_guidance_below_one_before_training():
         ImageGenTrainConfig(guidance_scale=0.5)
     with pytest.raises(ValueError, match="guidance_grid entry=0.0"):
         ImageGenTrainConfig(guidance_grid=(0.0, 2.0))
+
+
+def test_train_imagegen_refuses_optimiser_and_sampling_settings_before_training():
+    """A negative --lr trained the VQ stage for minutes and then the GPT away from the data;
+    the config now refuses it, and the other optimiser / eval sampling settings, up front."""
+    from mmspec.testbed.imagegen_train import ImageGenTrainConfig
+
+    for kwargs, message in ((dict(lr=-1.0), "lr must be a finite number > 0"), (dict(lr=float("inf")), "lr must be"),
+                            (dict(weight_decay=-0.1), "weight_decay and warmup must be >= 0"),
+                            (dict(warmup=-1), "weight_decay and warmup must be >= 0"),
+                            (dict(class_dropout_prob=1.0), r"class_dropout_prob must be in \[0, 1\)"),
+                            (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+                            (dict(top_k=0), "top_k must be None or in 1..vq_codebook_size=512"),
+                            (dict(top_k=513), "top_k must be None or in 1..vq_codebook_size=512")):
+        with pytest.raises(ValueError, match=message):
+            ImageGenTrainConfig(**kwargs)
+    ImageGenTrainConfig(top_k=512, temperature=0.0, warmup=0, weight_decay=0.0, class_dropout_prob=0.0)

@@ -69,6 +69,16 @@ def test_bad_stage_and_config_refused(tmp_path):
         MARTrainConfig(eval_temperature=0.0)
     with pytest.raises(ValueError, match="main_position"):
         MARTrainConfig(main_position="corner")
+    # Refused before the VAE stage trains: these failed (or trained backwards) only at a later stage.
+    for kwargs, message in ((dict(target_dim=0), "target_dim must be >= 1"), (dict(draft_depth=0), "draft_depth must be >= 1"),
+                            (dict(target_dim=6), "encoder_embed_dim=6 must be divisible"),
+                            (dict(mar_lr=-1e-3), "mar_lr must be a finite number > 0"),
+                            (dict(vae_lr=float("nan")), "vae_lr must be a finite number > 0")):
+        with pytest.raises(ValueError, match=message):
+            MARTrainConfig(**kwargs)
+    with pytest.raises(SystemExit, match="target_dim must be >= 1"):
+        main(["testbed", "train-mar", "--out", str(tmp_path / "o2"), "--target-dim", "0"])
+    assert not (tmp_path / "o2").exists()
 
 
 def test_mask_ratio_min_reaches_the_model_and_is_checked(tmp_path):

@@ -187,12 +187,13 @@ def test_bad_placement_settings_raise(kwargs):
 @pytest.mark.parametrize("argv,message", [
     (["data", "--out", "OUT", "--n", "-1"], "testbed data: --n must be >= 1"),  # printed "wrote -1 scenes"
     (["data", "--out", "OUT", "--n", "2", "--image-size", "0"], "testbed data: image_size=0: must be >= 32"),  # a traceback
+    (["samples", "--out", "OUT", "--n", "0"], "testbed samples: --n must be >= 1"),  # "wrote 0 sample scenes"
     (["train-vq", "--out", "OUT", "--steps", "0"], "testbed train-vq: VQTrainConfig.steps must be >= 1"),  # a traceback
     (["eval-vq", "--n", "0"], "testbed eval-vq: --n must be >= 1"),
     (["eval-judge", "--n", "1"], "testbed eval-judge: --n must be >= 2"),  # "need at least one array to stack"
     (["caption-stats", "--n", "0"], "testbed caption-stats: --n and --captions must be >= 1"),
     (["contact-sheet", "--n", "0", "--out", "OUT"], "testbed contact-sheet: --n must be >= 1"),
-], ids=["data", "data-size", "train-vq", "eval-vq", "eval-judge", "caption-stats", "contact-sheet"])
+], ids=["data", "data-size", "samples", "train-vq", "eval-vq", "eval-judge", "caption-stats", "contact-sheet"])
 def test_testbed_commands_refuse_counts_they_cannot_use(argv, message, tmp_path):
     from mmspec.cli import main
 

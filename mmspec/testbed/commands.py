@@ -49,6 +49,8 @@ def cmd_samples(args) -> int:
     from mmspec.testbed.language import build_tokenizer
     from mmspec.testbed.world import World
 
+    if args.n < 1:  # wrote an empty scenes.json and reported "wrote 0 sample scenes"
+        raise SystemExit(f"mmspec testbed samples: --n must be >= 1, got {args.n}")
     img_dir = os.path.join(args.out, "images")
     os.makedirs(img_dir, exist_ok=True)
     scenes = World(seed=0, split="validation").sample(args.n)

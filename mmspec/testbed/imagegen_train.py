@@ -91,6 +91,18 @@ class ImageGenTrainConfig:
                 raise ValueError(f"ImageGenTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.n_eval < 32:
             raise ValueError(f"n_eval={self.n_eval}: needs >= 32 (one image per class at least)")
+        # Checked here, before the VQ stage trains for minutes (a negative lr trained it, then the GPT ascended)
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"ImageGenTrainConfig.lr must be a finite number > 0, got {self.lr}")
+        if not self.weight_decay >= 0 or self.warmup < 0:
+            raise ValueError(f"ImageGenTrainConfig.weight_decay and warmup must be >= 0, got {self.weight_decay} and {self.warmup}")
+        if not 0.0 <= self.class_dropout_prob < 1.0:
+            raise ValueError(f"ImageGenTrainConfig.class_dropout_prob must be in [0, 1), got {self.class_dropout_prob}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"ImageGenTrainConfig.temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k is not None and not 1 <= self.top_k <= self.vq_codebook_size:
+            raise ValueError(f"ImageGenTrainConfig.top_k must be None or in 1..vq_codebook_size={self.vq_codebook_size}, "
+                             f"got {self.top_k}")
         check_device(self.device)  # before the VQ stage, not after it
         for scale in (self.guidance_scale, *self.guidance_grid):  # before training, not at the eval stage
             check_guidance_scale(scale, "guidance_scale" if scale == self.guidance_scale else "guidance_grid entry")

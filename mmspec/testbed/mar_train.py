@@ -122,6 +122,18 @@ class MARTrainConfig:
         if self.n_eval < 2:
             raise ValueError("MARTrainConfig.n_eval must be >= 2 (Frechet needs a covariance)")
         check_device(self.device, "MARTrainConfig.device")  # before the VAE stage, not after it
+        # Also before the VAE stage trains for minutes: learning rates, and the two MARs' shapes
+        # (--target-dim 0 trained the VAE, then failed building the target), built on the meta device.
+        for name in ("vae_lr", "mar_lr"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"MARTrainConfig.{name} must be a finite number > 0, got {v}")
+        for name in ("target_dim", "target_depth", "draft_dim", "draft_depth", "latent_channels", "num_sampling_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MARTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        with torch.device("meta"):
+            make_mar(self, self.target_dim, self.target_depth, self.target_head)
+            make_mar(self, self.draft_dim, self.draft_depth, self.draft_head)
 
 
     def world_config(self):
