@@ -148,6 +148,25 @@ def test_train_vlm_refuses_too_few_visual_tokens(tmp_path):
         main(["testbed", "train-vlm", "--out", str(tmp_path / "x"), "--patch-size", "20", "--no-progress"])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--tower-lr", "-1"], "tower_lr must be a finite number > 0"),
+    (["--lm-lr", "0"], "lm_lr must be a finite number > 0"),
+    (["--drafter-lr", "nan"], "drafter_lr must be a finite number > 0"),
+    (["--lm-dim", "7"], "lm_dim=7 is not divisible by lm_heads=4"),
+    (["--tower-dim", "0"], "tower_dim must be >= 1"),
+    (["--num-draft-tokens", "0"], "num_draft_tokens must be >= 1"),
+    (["--caption-fraction", "2"], "caption_fraction=2.0 must be in"),
+])
+def test_train_vlm_refuses_before_rendering_what_a_later_stage_could_not_use(argv, message, tmp_path):
+    """These rendered 108000 scenes (minutes) and trained the tower before failing, or trained
+    with a negative learning rate; now they are refused before anything runs or is written."""
+    from mmspec.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["testbed", "train-vlm", "--out", str(tmp_path / "x"), "--no-progress", *argv])
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(not (BUNDLED / "model_index.json").is_file(), reason="no bundled VLM in this checkout")
 def test_bundled_vlm_has_a_real_processor_and_its_drafters():
     from transformers import LlavaProcessor

@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mmspec.devices import check_device
+from mmspec.testbed.vlm_train_checks import check_config
 from mmspec.testbed.bundle_paths import drop_machine_paths
 from mmspec.testbed.vlm_data import stage_data
 from mmspec.testbed.vlm_pack import draw_example, packed_batch, sample_packs
@@ -144,41 +144,7 @@ class VLMTrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("n_train", "n_val", "tower_steps", "tower_batch", "lm_steps", "lm_batch", "lm_pack",
-                     "drafter_images", "drafter_steps", "drafter_batch", "accept_scenes", "max_new_tokens", "threads",
-                     "answer_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"VLMTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_visual_tokens < 32:
-            raise ValueError(f"{self.num_visual_tokens} visual tokens per image; the testbed VLM needs >= 32 "
-                             "(lower patch_size or raise image_size)")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size={self.image_size} is not a multiple of patch_size={self.patch_size}")
-        for name in ("lm_tower_layers", "tune_tower_layers"):
-            if not 0 <= getattr(self, name) <= self.tower_layers:
-                raise ValueError(f"{name}={getattr(self, name)}: must be in [0, tower_layers={self.tower_layers}]")
-        if not 0 <= self.lm_exists_fraction <= 1:
-            raise ValueError(f"lm_exists_fraction={self.lm_exists_fraction} must be in [0, 1]")
-        if self.tune_steps < 0 or self.tune_lr <= 0 or not 0 <= self.tune_exists_fraction <= 1:
-            raise ValueError(f"tune_steps={self.tune_steps} must be >= 0, tune_lr={self.tune_lr} > 0 and "
-                             f"tune_exists_fraction={self.tune_exists_fraction} in [0, 1]")
-        if self.lm_shape_weight <= 0 or self.lm_tower_lr_scale < 0 or self.tower_object_weight < 0:
-            raise ValueError(f"lm_shape_weight={self.lm_shape_weight} must be > 0, lm_tower_lr_scale="
-                             f"{self.lm_tower_lr_scale} and tower_object_weight={self.tower_object_weight} >= 0")
-        from mmspec.testbed.language import CAPTION_ORDERS
-
-        if self.caption_order not in CAPTION_ORDERS:
-            raise ValueError(f"caption_order={self.caption_order!r}: choose from {CAPTION_ORDERS}")
-        if self.vision_feature_select_strategy not in ("default", "full"):
-            raise ValueError(f"vision_feature_select_strategy={self.vision_feature_select_strategy!r}: "
-                             "choose 'default' (CLS dropped) or 'full' (CLS kept)")
-        from mmspec.pipelines.train_config import LR_SCHEDULES
-
-        if self.drafter_lr_schedule not in LR_SCHEDULES or not 0 <= self.drafter_warmup < self.drafter_steps:
-            raise ValueError(f"drafter_lr_schedule={self.drafter_lr_schedule!r} must be one of {LR_SCHEDULES} and "
-                             f"drafter_warmup={self.drafter_warmup} in [0, drafter_steps={self.drafter_steps}) (fewer steps: "
-                             "pass a smaller --drafter-warmup)")
-        check_device(self.device)  # before the data stage, not after it
+        check_config(self)  # mmspec/testbed/vlm_train_checks.py
 
     @property
     def num_visual_tokens(self) -> int:
