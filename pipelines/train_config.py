@@ -39,8 +39,8 @@ HELP = {
     "lr_schedule": "constant, or cosine (a half cosine to 0 at the last step) (default %(default)s)",
     "warmup_steps": "linear warm-up steps before the schedule (default %(default)s)",
     "ttt_steps": "extra unrolled forwards on the head's own features, training-time test (default %(default)s)",
-    "feature_weight": "weight of the SmoothL1 loss on the target's features (default %(default)s)",
-    "ce_weight": "weight of the cross-entropy against the target's tokens (default %(default)s)",
+    "feature_weight": "eagle / vispec: weight of the SmoothL1 loss on the target's features (default %(default)s)",
+    "ce_weight": "eagle / vispec: weight of the cross-entropy against the target's tokens (default %(default)s; a text drafter trains on the cross-entropy alone)",
     "text_layers": "decoder layers of the text drafter's small LM (default %(default)s)",
     "num_draft_tokens": "chain length K saved with the drafter (default %(default)s)",
     "tree_depth": "> 0: save the drafter with a dynamic tree of this depth (default %(default)s: chains)",
@@ -93,6 +93,13 @@ class TrainDrafterConfig:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps}")
         if self.ttt_steps < 0:
             raise ValueError(f"ttt_steps must be >= 0, got {self.ttt_steps}")
+        if not (math.isfinite(self.lr) and self.lr > 0):  # torch's optimiser said "Invalid learning rate" after the data stage
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        # A negative weight trained the drafter to *increase* that loss; two zeros trained nothing.
+        weights = (self.feature_weight, self.ce_weight)
+        if not all(math.isfinite(w) and w >= 0 for w in weights) or (self.drafter != "text" and not any(w > 0 for w in weights)):
+            raise ValueError(f"--feature-weight and --ce-weight must be finite, >= 0 and not both 0, got "
+                             f"{self.feature_weight} and {self.ce_weight}")
         check_device(self.device, "--device")  # before the target is loaded and answers regenerated
         if self.bf16 and not self.device.startswith("cuda"):
             raise ValueError("bf16 training needs --device cuda")

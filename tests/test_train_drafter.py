@@ -77,6 +77,22 @@ def test_train_checkpoint_resume_and_load(setup, tmp_path):
         TrainDrafterConfig(pipeline="-", drafter="medusa", out="x")
 
 
+
+def test_loss_weights_and_learning_rate_are_refused_before_training():
+    """A negative loss weight trained the head to increase that loss; two zero weights trained
+    nothing; a negative or NaN lr failed in torch's optimiser after the data stage."""
+    for kwargs, message in ((dict(ce_weight=-1.0), "--feature-weight and --ce-weight must be finite, >= 0"),
+                            (dict(feature_weight=float("nan")), "--feature-weight and --ce-weight"),
+                            (dict(feature_weight=0.0, ce_weight=0.0), "not both 0"),
+                            (dict(lr=-1e-3), "--lr must be a finite number > 0"),
+                            (dict(lr=float("nan")), "--lr must be a finite number > 0")):
+        with pytest.raises(ValueError, match=message):
+            TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", **kwargs)
+    # The text drafter trains on cross-entropy alone: the feature weights do not apply to it.
+    TrainDrafterConfig(pipeline="-", drafter="text", out="x", feature_weight=0.0, ce_weight=0.0)
+    TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", feature_weight=0.0, ce_weight=1.0)
+
+
 @pytest.mark.parametrize("kind", ["eagle", "vispec"])
 def test_qwen2vl_teacher_and_collate(kind, tmp_path):
     """Qwen2-VL examples (flat pixel patches, image grids, per-token mm_token_type_ids) collate
