@@ -215,3 +215,20 @@ def test_image_features_read_from_image_outputs_not_the_deprecated_alias():
     assert _pooled_image_features(Future(None)) is None  # a text-only step
     assert _pooled_image_features(SimpleNamespace(image_hidden_states=other)) is other  # older classes
     assert "image_outputs" in LlavaModelOutputWithPast.__dataclass_fields__  # the installed version's layout
+
+
+def test_custom_generate_with_images_equals_plain_generate(llava):
+    """transformers 5's generate encodes the images before it calls a custom loop and passes
+    `mm_encoder_outputs` instead of `pixel_values`; mmspec refused that as "placeholders without
+    pixel_values". Now a LLaVA batch with images through generate(custom_generate=...) answers
+    exactly as plain generate."""
+    from mmspec.models.hf_generate import speculative_decoding
+
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(2, 3)])
+    kw = dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    ref = model.generate(**kw)
+    out = model.generate(**kw, custom_generate=speculative_decoding, drafter=ModelDrafter(_text_only(model), 3))
+    assert torch.equal(out, ref)
+    blank = model.generate(**{**kw, "pixel_values": torch.zeros_like(pixels)})
+    assert not torch.equal(blank, ref)  # the image matters to the answer, so the check above could fail

@@ -275,3 +275,16 @@ def test_qwen2vl_placeholders_without_pixels_are_refused(qwen):
     ids[0, 2:4] = 61  # video placeholders
     with pytest.raises(ValueError, match=r"video placeholder tokens \(id 61\) but no pixel_values_videos"):
         mmspec.speculative_generate(qwen, ModelDrafter(weak_drafter(), 2), ids, temperature=0, max_new_tokens=4)
+
+
+def test_custom_generate_with_images_is_refused_by_name_on_qwen2vl(qwen):
+    """generate encodes the images before a custom loop and drops image_grid_thw with the pixels;
+    mmspec's Qwen2-VL spec needs it for M-RoPE positions: refused by name, pointing to
+    speculative_generate (which answers as generate does, test above)."""
+    from mmspec.models.hf_generate import speculative_decoding
+
+    ids, mask, pixels, grid = batch(GRIDS[:1], [2], [3])
+    inp = row_inputs(ids, mask, pixels, grid, 0)
+    with pytest.raises(ValueError, match="drops image_grid_thw.*mmspec.speculative_generate"):
+        qwen.generate(**inp, do_sample=False, max_new_tokens=4, pad_token_id=0, custom_generate=speculative_decoding,
+                      drafter=ModelDrafter(text_drafter(qwen), 2))

@@ -15,7 +15,9 @@ TopPLogitsWarper, in that order, whether built from the generation config or pas
 explicitly; several TopK filters keep the smallest k) mapped onto `mmspec.SamplingConfig`; the prepared stopping criteria
 MaxLengthCriteria (the smallest max_length wins) and EosTokenCriteria (its token ids);
 `num_return_sequences` with sampling (generate has already repeated the rows);
-`return_dict_in_generate=True` (a `GenerateDecoderOnlyOutput` holding `.sequences`).
+`return_dict_in_generate=True` (a `GenerateDecoderOnlyOutput` holding `.sequences`); images
+of a LLaVA-family VLM, which generate encodes before calling us (`mm_encoder_outputs` in place
+of `pixel_values`; the model's prefill merges them as it would the pixels).
 
 Refused with a ValueError naming the option (never silently ignored): beam search and the
 other decoding modes (`num_beams > 1`, `penalty_alpha`, `dola_layers`, prompt lookup),
@@ -24,7 +26,8 @@ stop strings, ...: they would change the target distribution in a way the accept
 rule must see per draft position), warpers with a non-default `filter_value` /
 `min_tokens_to_keep`, warpers under greedy decoding, `output_scores` / `output_logits` /
 `output_attentions` / `output_hidden_states` with `return_dict_in_generate`, `streamer`
-and `inputs_embeds`.
+and `inputs_embeds`; images on Qwen2-VL / Qwen2.5-VL (generate drops `image_grid_thw` with the
+pixels, and mmspec's M-RoPE positions need it: call `mmspec.speculative_generate` there).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import torch
 
 from mmspec.engine import speculative_generate
+from mmspec.models.qwen2vl_spec import MROPE_MODEL_TYPES
+from mmspec.models.qwen2vl_spec import model_type as model_type_of
 
 _WARPER_ORDER = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # mmspec.process_logits order
 _ALLOWED_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria"}
@@ -203,6 +208,14 @@ def speculative_decoding(
         pad = eos[0] if eos else 0
     attention_mask = model_kwargs.pop("attention_mask", None)
     extra = {k: v for k, v in model_kwargs.items() if k not in _DROPPED_KWARGS and v is not None}
+    if extra.get("mm_encoder_outputs") and model_type_of(model) in MROPE_MODEL_TYPES:
+        # generate encoded the images and dropped `image_grid_thw` with the pixels; mmspec's Qwen2-VL
+        # forward spec builds its M-RoPE positions from it, so it cannot continue from here.
+        raise ValueError(
+            f"generate(custom_generate=...) on {model_type_of(model)}: transformers encodes the images before calling "
+            "the custom loop and drops image_grid_thw, which mmspec needs for M-RoPE positions; call "
+            "mmspec.speculative_generate(model, drafter, **inputs) or use SpeculativeVLMPipeline instead"
+        )
     out = speculative_generate(
         model, drafter, input_ids, attention_mask, acceptance=acceptance, max_new_tokens=max_new,
         temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos, pad_token_id=int(pad),

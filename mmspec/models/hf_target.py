@@ -71,8 +71,11 @@ def check_placeholders_have_pixels(model, input_ids, model_inputs: dict) -> None
     text token and answers about an image it never saw. Refused by name (SYNC: once per
     request, and only when a VLM gets no pixels)."""
     config = getattr(model, "config", None)
+    # transformers' `generate` encodes the images itself before it calls a `custom_generate` and
+    # passes the features as `mm_encoder_outputs[kind]` instead of the pixels: the image is there.
+    encoded = model_inputs.get("mm_encoder_outputs") or {}
     for kind, key in _PIXEL_INPUTS.items():
-        if model_inputs.get(key) is not None:
+        if model_inputs.get(key) is not None or encoded.get(kind) is not None:
             continue
         ids = placeholder_ids(config, (kind,))
         if ids and bool(torch.isin(input_ids, torch.tensor(ids, device=input_ids.device)).any()):
