@@ -86,7 +86,8 @@ def _run(args, images, prompts) -> int:
                 + (f"mean accepted length {s.mean_accepted_length:.2f} ({s.target_calls} target calls)"
                    if speculative else "plain decoding (no drafter)"))
         if plain is not None:
-            line += (f"; plain {plain.stats.total_seconds:.2f}s, speed-up {report['speedup']:.2f}x, answers "
+            speedup = "n/a (nothing decoded)" if report["speedup"] is None else f"{report['speedup']:.2f}x"
+            line += (f"; plain {plain.stats.total_seconds:.2f}s, speed-up {speedup}, answers "
                      + ("identical" if report["identical_to_plain"] else "DIFFER"))
             if not report["identical_to_plain"] and args.temperature > 0 and not is_position_keyed(args.acceptance):
                 line += (f" (sampled: --acceptance {args.acceptance} draws other tokens than plain sampling for a seed, "

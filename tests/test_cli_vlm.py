@@ -51,6 +51,15 @@ def test_caption_compare_json_reports_each_item(saved, capsys):
     assert report["identical_to_plain"] is True and report["speedup"] > 0 and report["mean_accepted_length"] >= 1
 
 
+def test_caption_compare_with_nothing_decoded_prints_no_speed_up(saved, capsys):
+    """Every image missing, or --max-new-tokens 0: the speed-up is undefined and its formatting
+    crashed with a TypeError traceback; the line now says n/a."""
+    assert main(["caption", str(saved / "missing.png"), "--model", str(saved / "pipe"), "--compare"]) == 1
+    assert "speed-up n/a (nothing decoded)" in capsys.readouterr().out
+    assert main(["caption", str(saved / "0.png"), "--model", str(saved / "pipe"), "--compare", "--max-new-tokens", "0"]) == 0
+    assert "speed-up n/a (nothing decoded)" in capsys.readouterr().out
+
+
 def test_vqa_and_text_output(saved, capsys):
     code = main(["vqa", str(saved / "0.png"), "--question", "what colour is the circle ?", "--model",
                  str(saved / "pipe"), "--max-new-tokens", "5", "--compare"])

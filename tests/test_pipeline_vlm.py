@@ -106,7 +106,8 @@ def test_a_progress_bar_counts_items_across_batches(parts, capsys):
     assert "3/3" in capsys.readouterr().err
     assert chunked.texts == whole.texts
     # image items, a text-only one and a missing file: two batches of the four items that load
-    mixed = pipe([None, *images, "/nonexistent/scene.png"], max_new_tokens=4)
+    mixed = pipe([None, *images, "/nonexistent/scene.png"], ["what colour is the circle ?", None, None, None, None],
+                 max_new_tokens=4)
     assert "4/4" in capsys.readouterr().err
     # stats.new_tokens is per item in the caller's order, 0 for the item that failed (it was in
     # batch order, image items first, and the failed item was missing from it)
@@ -131,6 +132,10 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         pipe(img[:1], speculative="no")
     with pytest.raises(ValueError, match="batch_size must be None or an int >= 1, got True"):  # read as 1
         pipe(img[:1], batch_size=True)
+    for images in (None, [None], [img[0], None]):  # captioned "an image" from the caption prompt alone
+        with pytest.raises(ValueError, match="has neither an image nor a prompt"):
+            pipe(images)
+    assert pipe([None], ["what colour is the circle ?"], max_new_tokens=2).errors == [None]  # text-only: fine
     # a name where a component belongs (diffusers failed with AttributeError '__module__')
     with pytest.raises(TypeError, match=r"got str; to switch to a saved drafter by name call pipe.load_drafter\('eagle'\)"):
         pipe.drafter = "eagle"
