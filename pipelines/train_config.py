@@ -85,8 +85,12 @@ class TrainDrafterConfig:
         if self.drafter not in KINDS:
             raise ValueError(f"--drafter must be one of {KINDS}, got {self.drafter!r}")
         for name in ("num_images", "answer_tokens", "steps", "batch_size", "grad_accum", "save_every", "text_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        k = self.num_draft_tokens  # checked when the drafter was saved: after every training step
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {k!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.warmup_steps < self.steps:

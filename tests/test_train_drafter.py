@@ -80,12 +80,16 @@ def test_train_checkpoint_resume_and_load(setup, tmp_path):
 
 def test_loss_weights_and_learning_rate_are_refused_before_training():
     """A negative loss weight trained the head to increase that loss; two zero weights trained
-    nothing; a negative or NaN lr failed in torch's optimiser after the data stage."""
+    nothing; a negative or NaN lr failed in torch's optimiser after the data stage; a draft length
+    of 0 was refused only when the trained drafter was saved."""
     for kwargs, message in ((dict(ce_weight=-1.0), "--feature-weight and --ce-weight must be finite, >= 0"),
                             (dict(feature_weight=float("nan")), "--feature-weight and --ce-weight"),
                             (dict(feature_weight=0.0, ce_weight=0.0), "not both 0"),
                             (dict(lr=-1e-3), "--lr must be a finite number > 0"),
-                            (dict(lr=float("nan")), "--lr must be a finite number > 0")):
+                            (dict(lr=float("nan")), "--lr must be a finite number > 0"),
+                            (dict(num_draft_tokens=0), "num_draft_tokens must be an int >= 1 or 'auto'"),
+                            (dict(num_draft_tokens=True), "num_draft_tokens must be an int >= 1 or 'auto'"),
+                            (dict(steps=2.5), "steps must be an int >= 1")):
         with pytest.raises(ValueError, match=message):
             TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", **kwargs)
     # The text drafter trains on cross-entropy alone: the feature weights do not apply to it.
