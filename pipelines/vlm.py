@@ -176,7 +176,16 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         return drafter
 
     # ---- save / load ----------------------------------------------------------------------------------
-    def save_pretrained(self, directory, **_) -> None:
+    def save_pretrained(self, directory, *, safe_serialization: bool = True, push_to_hub: bool = False, **kwargs) -> None:
+        """Save target, processor and every drafter to a local folder (safetensors)."""
+        # Accepted and ignored before: push_to_hub=True pushed nothing, safe_serialization=False
+        # still wrote safetensors, other options (variant, ...) vanished.
+        if kwargs:
+            raise TypeError(f"save_pretrained() got unsupported argument(s) {sorted(kwargs)}; it takes the folder only")
+        if push_to_hub is not False:
+            raise ValueError("push_to_hub=True is not supported: save the folder, then upload it with huggingface_hub")
+        if safe_serialization is not True:
+            raise ValueError("safe_serialization=False is not supported: the pipeline saves safetensors only")
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self.target.save_pretrained(d / "target")
@@ -199,12 +208,23 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         (d / INDEX).write_text(json.dumps(index, indent=2))
 
     @classmethod
-    def from_pretrained(cls, directory, drafter=None, *, dtype: torch.dtype | None = None, **_) -> "SpeculativeVLMPipeline":
+    def from_pretrained(cls, directory, drafter=None, *, dtype: torch.dtype | None = None,
+                        torch_dtype: torch.dtype | None = None, **kwargs) -> "SpeculativeVLMPipeline":
         """A saved pipeline folder, or a transformers checkpoint folder (model + processor) with
         `drafter` = a DrafterComponent, a saved drafter folder, or None (plain decoding only).
         `dtype=None` keeps the checkpoint's dtype, except that float16 / bfloat16 checkpoints are
-        loaded in float32 (pipelines load on CPU; pass `dtype=torch.float16` to keep half precision)."""
+        loaded in float32 (pipelines load on CPU; pass `dtype=torch.float16` to keep half precision).
+        `torch_dtype` (diffusers' name) is taken as `dtype`; any other option is refused by name
+        (they were ignored: `torch_dtype=torch.float16` loaded float32, a misspelt `dtpye` passed)."""
         import transformers
+
+        if kwargs:
+            raise TypeError(f"from_pretrained() got unsupported argument(s) {sorted(kwargs)}; it takes a local folder, "
+                            "drafter= and dtype= (or torch_dtype=)")
+        if torch_dtype is not None:
+            if dtype is not None and dtype != torch_dtype:
+                raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
+            dtype = torch_dtype
 
         d = Path(directory)
         if not d.is_dir():

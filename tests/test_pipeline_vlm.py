@@ -293,3 +293,25 @@ def test_auto_tree_size_drafters_save_load_and_answer_like_plain(parts, tmp_path
     with pytest.raises(ValueError, match="exceeds"):
         DrafterComponent(kind="eagle", head_config=comp.config.head_config, tree_depth=2, tree_top_k=2,
                          tree_num_nodes=9)
+
+
+def test_load_and_save_options_are_honoured_or_refused(parts, tmp_path):
+    """from_pretrained / save_pretrained swallowed every extra keyword: torch_dtype=float16 loaded
+    float32, a misspelt dtype passed, push_to_hub=True pushed nothing. torch_dtype is now
+    honoured as dtype; the rest is refused by name."""
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["text"])
+    pipe.save_pretrained(tmp_path / "p")
+    half = SpeculativeVLMPipeline.from_pretrained(tmp_path / "p", torch_dtype=torch.float32)
+    assert half.target.dtype == torch.float32
+    with pytest.raises(TypeError, match=r"unsupported argument\(s\) \['dtpye'\]"):
+        SpeculativeVLMPipeline.from_pretrained(tmp_path / "p", dtpye=torch.float16)
+    with pytest.raises(ValueError, match="disagree"):
+        SpeculativeVLMPipeline.from_pretrained(tmp_path / "p", dtype=torch.float64, torch_dtype=torch.float32)
+    with pytest.raises(ValueError, match="push_to_hub=True is not supported"):
+        pipe.save_pretrained(tmp_path / "q", push_to_hub=True)
+    with pytest.raises(ValueError, match="safe_serialization=False is not supported"):
+        pipe.save_pretrained(tmp_path / "q", safe_serialization=False)
+    with pytest.raises(TypeError, match=r"unsupported argument\(s\) \['variant'\]"):
+        pipe.save_pretrained(tmp_path / "q", variant="fp16")
+    assert not (tmp_path / "q").exists()  # refused before writing
