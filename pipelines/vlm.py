@@ -97,6 +97,19 @@ def merge_stats(parts: list[SpecStats]) -> SpecStats:
     return out
 
 
+def _as_displayed_rgb(im):
+    """An opened image file as a viewer shows it, in RGB: EXIF orientation applied (a phone photo
+    was read sideways) and transparency composited onto white, as transformers' image processors
+    treat a PIL image with alpha (the file path and the same image passed as PIL answered differently)."""
+    from PIL import Image, ImageOps
+
+    im = ImageOps.exif_transpose(im)
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return im.convert("RGB")
+
+
 class SpeculativeVLMPipeline(DiffusionPipeline):
     def __init__(self, target, processor, drafter: DrafterComponent | None = None,
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT):
@@ -270,7 +283,7 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if isinstance(item, (str, Path)):
             try:
                 with Image.open(item) as im:
-                    return im.convert("RGB")
+                    return _as_displayed_rgb(im)
             except FileNotFoundError:
                 raise OSError(f"image file {str(item)!r} not found") from None
             except Exception as e:  # PIL raises several types for undecodable files

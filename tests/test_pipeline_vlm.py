@@ -315,3 +315,28 @@ def test_load_and_save_options_are_honoured_or_refused(parts, tmp_path):
     with pytest.raises(TypeError, match=r"unsupported argument\(s\) \['variant'\]"):
         pipe.save_pretrained(tmp_path / "q", variant="fp16")
     assert not (tmp_path / "q").exists()  # refused before writing
+
+
+def test_an_image_file_reads_as_the_same_image_passed_as_pil(parts, tmp_path):
+    """A path was opened with convert("RGB"): alpha dropped (the processor composites a PIL image's
+    alpha onto white) and EXIF orientation ignored (a phone photo read sideways), so a file and the
+    same picture as a PIL image answered differently."""
+    import numpy as np
+    from PIL import Image
+
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["text"])
+    pipe.set_progress_bar_config(disable=True)
+    base = np.array(random_images(1, seed=11, size=(24, 20))[0])
+    alpha = np.random.default_rng(0).integers(0, 256, base.shape[:2], dtype=np.uint8)
+    Image.fromarray(np.dstack([base, alpha]), "RGBA").save(tmp_path / "a.png")
+    loaded = np.array(pipe._load_image(tmp_path / "a.png")).astype(float)
+    expected = base * (alpha[..., None] / 255.0) + 255.0 * (1 - alpha[..., None] / 255.0)  # over white
+    assert np.abs(loaded - expected).max() <= 1.0
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 clockwise to display"
+    Image.fromarray(base).transpose(Image.Transpose.ROTATE_90).save(tmp_path / "r.png", exif=exif)
+    assert np.array_equal(np.array(pipe._load_image(tmp_path / "r.png")), base)  # as displayed
+    rgba = Image.open(tmp_path / "a.png")
+    got = pipe([tmp_path / "a.png", rgba, tmp_path / "r.png", Image.fromarray(base)], max_new_tokens=8).texts
+    assert got[0] == got[1] and got[2] == got[3]
