@@ -205,8 +205,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         self.processor.save_pretrained(d / "processor")
         names = dict(self.drafters)
         default = next((n for n, c in names.items() if c is self.drafter), None)
-        if self.drafter is not None and default is None:
-            default = "default"
+        if self.drafter is not None and default is None:  # an active drafter never registered: a free name
+            default = next(n for n in ("default", *(f"default_{i}" for i in range(1, len(names) + 2))) if n not in names)
             names[default] = self.drafter
         for name, comp in names.items():
             comp.save_pretrained(d / "drafters" / name)

@@ -8,7 +8,7 @@ pipeline component) holds the trainable part of one of mmspec's VLM drafters:
 - `kind="vispec"`: an EAGLE head with ViSpec's vision adaptor (`ViSpecDrafter`).
 
 `num_draft_tokens` is a fixed chain length or `"auto"` (the loop picks K in
-0..`max_draft_tokens`, default 6, per step from measured costs and acceptance; mmspec/adaptive.py;
+0..`max_draft_tokens`, default 8 for a text drafter (`ModelDrafter`'s) and 6 for a head, per step from measured costs and acceptance; mmspec/adaptive.py;
 `max_draft_tokens` with a fixed length is refused). A tree drafter (`tree_depth > 0`) verifies
 `tree_num_nodes` nodes per step, or with `tree_num_nodes="auto"` a size chosen per request from
 measured speed (0 = plain decoding up to min(24, top_k + (depth - 1) * top_k^2); `TreeConfig(num_nodes="auto")`).

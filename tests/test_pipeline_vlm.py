@@ -340,3 +340,17 @@ def test_an_image_file_reads_as_the_same_image_passed_as_pil(parts, tmp_path):
     rgba = Image.open(tmp_path / "a.png")
     got = pipe([tmp_path / "a.png", rgba, tmp_path / "r.png", Image.fromarray(base)], max_new_tokens=8).texts
     assert got[0] == got[1] and got[2] == got[3]
+
+
+def test_an_unregistered_active_drafter_does_not_overwrite_one_named_default(parts, tmp_path):
+    """save_pretrained stored an active drafter that was never registered as "default", over a
+    registered drafter of that name (lost on reload)."""
+    model, processor = parts
+    comps = drafters(model)
+    pipe = SpeculativeVLMPipeline(model, processor)
+    pipe.add_drafter("default", comps["text"], active=False)
+    pipe.drafter = comps["eagle"]
+    pipe.save_pretrained(tmp_path / "p")
+    again = SpeculativeVLMPipeline.from_pretrained(tmp_path / "p")
+    assert {n: c.config.kind for n, c in again.drafters.items()} == {"default": "text", "default_1": "eagle"}
+    assert again.drafter.config.kind == "eagle"
