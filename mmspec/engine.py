@@ -159,7 +159,9 @@ def _rule_tables(acceptance, kwargs: dict, target, drafter) -> dict:
     if missing:
         raise ValueError(
             f"acceptance={acceptance!r} needs {missing}, which neither the target nor the drafter provides "
-            f"(acceptance_tables()); pass acceptance_kwargs={{{missing[0]!r}: tensor}} or a configured rule object"
+            f"(acceptance_tables()); pass a configured rule object as acceptance= (e.g. "
+            f"{RULES[acceptance].__name__}({missing[0]}=...)), or to speculative_generate "
+            f"acceptance_kwargs={{{missing[0]!r}: tensor}}"
         )
     return {**kwargs, **{name: tables[name] for name in required}}
 

@@ -268,3 +268,11 @@ def test_guided_unconditional_prompts_are_bounded_by_the_position_table():
     with pytest.raises(ValueError, match=r"the unconditional prompts \(12 tokens\) \+ max_new_tokens 5 \+ up to 2 draft "
                                          r"positions may need 18 positions, more than the target's position table"):
         mmspec.speculative_generate(long, ModelDrafter(gpt2, 2), ids, max_new_tokens=5, temperature=0)
+
+
+def test_a_rule_needing_a_table_names_the_object_to_pass(pair):
+    """The advice was acceptance_kwargs=..., which the VLM pipeline's call does not take; the rule
+    object works everywhere, so it comes first."""
+    with pytest.raises(ValueError, match=r"acceptance= \(e.g. LanternAcceptance\(codebook=\.\.\.\)\), or to "
+                                         r"speculative_generate acceptance_kwargs"):
+        run(pair, acceptance="lantern", temperature=1.0)
