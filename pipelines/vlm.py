@@ -273,6 +273,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         """An item's images: None (text only), one image, or a list of them (PIL or paths)."""
         if item is None:
             return []
+        if isinstance(item, (list, tuple)) and any(x is None for x in item):
+            raise ValueError("an item's list of images holds None; give None for the whole item (text only) or only "
+                             "PIL images / file paths in its list")
         return [self._load_image(x) for x in (item if isinstance(item, (list, tuple)) else [item])]
 
     def _load_image(self, item):

@@ -136,6 +136,8 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         with pytest.raises(ValueError, match="has neither an image nor a prompt"):
             pipe(images)
     assert pipe([None], ["what colour is the circle ?"], max_new_tokens=2).errors == [None]  # text-only: fine
+    with pytest.raises(ValueError, match="list of images holds None"):  # the message listed None as allowed
+        pipe([[None]], ["what colour is the circle ?"])
     # a name where a component belongs (diffusers failed with AttributeError '__module__')
     with pytest.raises(TypeError, match=r"got str; to switch to a saved drafter by name call pipe.load_drafter\('eagle'\)"):
         pipe.drafter = "eagle"
