@@ -7,6 +7,8 @@ gets what was decoded so far."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -273,3 +275,31 @@ def test_sampling_settings_are_refused_before_the_progress_bar_starts(capsys):
         assert "it/s" not in capsys.readouterr().err, kwargs  # no bar was drawn
     pipe([0], num_images_per_prompt=1, output_type="latent")  # a valid call does draw it
     assert "it/s" in capsys.readouterr().err
+
+
+def test_a_folder_with_missing_renamed_or_extra_weights_is_refused_by_key(tmp_path):
+    """diffusers' loader only logged "newly initialized" for a missing key (and, without
+    accelerate, kept its random values): an edited target or VQ loaded partly random."""
+    from safetensors.torch import load_file, save_file
+
+    pipe = make_pipe(torch.float32)
+    pipe.save_pretrained(tmp_path / "p")
+    edits = {"target": [("drop", "output.weight"), ("rename", "norm.weight"), ("extra", "norm.bias")],
+             "vq": [("drop", "vq.decoder.conv_out.weight")]}
+    for component, changes in edits.items():
+        for how, key in changes:
+            folder = tmp_path / f"{component}_{how}"
+            shutil.copytree(tmp_path / "p", folder)
+            f = folder / component / "diffusion_pytorch_model.safetensors"
+            sd = load_file(f)
+            if how == "drop":
+                sd.pop(key)
+            elif how == "rename":
+                sd[key + "_old"] = sd.pop(key)
+            else:
+                sd[key] = torch.zeros(3)
+            save_file(sd, f)
+            with pytest.raises(ValueError, match="does not match the model .*" + re.escape(key)):
+                SpeculativeARImagePipeline.from_pretrained(folder)
+    again = SpeculativeARImagePipeline.from_pretrained(tmp_path / "p")  # the unedited folder loads
+    assert torch.equal(again.target.output.weight, pipe.target.output.weight)

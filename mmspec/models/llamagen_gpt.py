@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
+from mmspec.models.strict_load import strict_from_pretrained
 from mmspec.sampling import draw
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
@@ -339,6 +340,11 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         # Plain attribute (not a buffer): float32, absent from the state dict, never cast by .half().
         self._freqs = precompute_freqs_cis_2d(args.grid_size, args.head_dim, args.rope_base, args.cls_token_num)
         self._init_weights()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """diffusers' loader, strict: a missing, unexpected or mis-shaped key is a ValueError naming it."""
+        return strict_from_pretrained(super().from_pretrained, cls.__name__, pretrained_model_name_or_path, *args, **kwargs)
 
     @classmethod
     def from_args(cls, args: LlamaGenGPTConfig) -> "LlamaGenGPT":

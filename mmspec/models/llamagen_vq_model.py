@@ -23,6 +23,7 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
 from mmspec.models.llamagen_tokenizer import CONFIG_NAME, WEIGHTS_NAME, LlamaGenVQ, VQConfig
+from mmspec.models.strict_load import strict_from_pretrained
 
 _FIELDS = [f.name for f in dataclasses.fields(VQConfig)]
 
@@ -66,7 +67,7 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
                 model = cls.from_vq(LlamaGenVQ.from_pretrained(folder))
                 dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
                 return (torch.nn.Module.to(model, dtype) if dtype is not None else model).eval()
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return strict_from_pretrained(super().from_pretrained, cls.__name__, pretrained_model_name_or_path, *args, **kwargs)
 
     @property
     def vq_config(self) -> VQConfig:
