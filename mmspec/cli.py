@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 
-from mmspec.cli_types import positive_int, window_arg
+from mmspec.cli_types import image_file_names, positive_int, window_arg
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -180,7 +180,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise SystemExit(f"mmspec generate: {e}") from None
     labels = [c for c in args.class_ for _ in range(args.num_images)]
-    names = [f"class{c:02d}_{i % args.num_images}.png" for i, c in enumerate(labels)]
+    names = image_file_names(labels)
     for img, name in zip(out.images, names):
         img.save(os.path.join(args.out, name))
     s = out.stats

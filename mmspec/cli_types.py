@@ -20,3 +20,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
     return value
+
+
+def image_file_names(labels: list[int]) -> list[str]:
+    """PNG names for images of class `labels` in order: class{c:02d}_{n}.png, n counting the images
+    of class c so far (a class given twice, `--class 3 3`, wrote both images to one file)."""
+    seen: dict[int, int] = {}
+    names = []
+    for c in labels:
+        names.append(f"class{c:02d}_{seen.get(c, 0)}.png")
+        seen[c] = seen.get(c, 0) + 1
+    return names

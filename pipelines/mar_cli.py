@@ -170,7 +170,9 @@ def cmd_generate_mar(args, model: str) -> int:
             spec_s = time.perf_counter() - t0
     except ValueError as e:
         raise SystemExit(f"mmspec generate: {e}") from None
-    names = [f"class{c:02d}_{i % args.num_images}.png" for i, c in enumerate(labels)]
+    from mmspec.cli_types import image_file_names
+
+    names = image_file_names(labels)
     for img, name in zip(out.images, names):
         img.save(os.path.join(args.out, name))
     s = out.stats

@@ -23,6 +23,15 @@ def folder(tmp_path):
     return tmp_path / "gen"
 
 
+def test_a_class_given_twice_writes_every_image(folder, tmp_path, capsys):
+    """--class 3 3 wrote both images to class03_0.png (summary.json listed it twice)."""
+    out = tmp_path / "twice"
+    main(["generate", "--model", str(folder), "--class", "3", "1", "3", "--num-images", "2", "--json", "--out", str(out)])
+    files = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["files"]
+    assert files == ["class03_0.png", "class03_1.png", "class01_0.png", "class01_1.png", "class03_2.png", "class03_3.png"]
+    assert sorted(p.name for p in out.glob("class*.png")) == sorted(files)
+
+
 def test_generate_compare_json(folder, tmp_path, capsys):
     out = tmp_path / "out"
     main(["generate", "--model", str(folder), "--class", "1", "3", "--num-images", "2", "--temperature", "0",
