@@ -47,7 +47,7 @@ from .exact import capped_ratio
 from mmspec.sampling import cached_arange, normalize
 
 # (data_ptr, shape, stride, dtype, device, version, normalize) -> int index tensor [V, k_max]
-_NEIGHBOUR_CACHE: dict[tuple, torch.Tensor] = {}
+_NEIGHBOUR_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (codebook, lists)
 _CHUNK_ELEMENTS = 1 << 22  # distances held at once: at most ~4M floats (16 MB)
 
 
@@ -65,8 +65,8 @@ def nearest_neighbours(codebook: torch.Tensor, k: int, *, normalize_codebook: bo
         bool(normalize_codebook),
     )
     cached = _NEIGHBOUR_CACHE.get(key)
-    if cached is not None and cached.shape[1] >= k:
-        return cached[:, :k]
+    if cached is not None and cached[1].shape[1] >= k:
+        return cached[1][:, :k]
     emb = codebook.detach().to(torch.float32)
     if normalize_codebook:
         emb = torch.nn.functional.normalize(emb, dim=-1)
@@ -83,7 +83,10 @@ def nearest_neighbours(codebook: torch.Tensor, k: int, *, normalize_codebook: bo
             out[start:stop] = torch.topk(d2, k, dim=-1, largest=False, sorted=True).indices.to(index_dtype)
     if len(_NEIGHBOUR_CACHE) >= 8:  # a handful of codebooks per process at most
         _NEIGHBOUR_CACHE.pop(next(iter(_NEIGHBOUR_CACHE)))
-    _NEIGHBOUR_CACHE[key] = out
+    # The entry holds the codebook too: while it is cached its memory cannot be freed and reused by
+    # another codebook of the same shape, whose key (address, shape, version 0) would then match and
+    # get these lists (a fresh `detach()` view of the same codebook still hits: same storage).
+    _NEIGHBOUR_CACHE[key] = (codebook.detach(), out)
     return out
 
 

@@ -199,3 +199,20 @@ def test_codebook_must_be_2d():
     rule = LanternAcceptance(codebook(), k=2)
     with pytest.raises(ValueError, match="codebook"):
         rule.accept_probability(torch.tensor([0]), torch.full((1, 7), 1 / 7), None)
+
+
+def test_neighbour_lists_never_come_from_a_freed_codebook_at_the_same_address():
+    """The cache was keyed by address, shape, stride and version but did not keep the codebook
+    alive: a new codebook of the same shape allocated where a freed one lay got the old lists
+    (16 of 20 trials). Each codebook's lists must equal its own brute-force neighbours."""
+    from mmspec.acceptance.lantern import nearest_neighbours
+
+    for trial in range(20):
+        g = torch.Generator().manual_seed(trial)
+        cb = torch.randn(48, 5, generator=g)
+        got = nearest_neighbours(cb, 4)
+        emb = torch.nn.functional.normalize(cb, dim=-1)
+        d2 = torch.cdist(emb, emb) ** 2
+        d2.fill_diagonal_(float("inf"))
+        assert torch.equal(got.long(), d2.topk(4, largest=False).indices), trial
+        del cb, got  # frees the codebook's memory for the next trial's allocation
