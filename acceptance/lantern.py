@@ -208,8 +208,9 @@ class LanternAcceptance(ChainRule):
         keep = self._zero_mask(c_J, J, ids, pn, p)
         if q is None:
             weights = (p * keep).scatter(-1, x.unsqueeze(-1), 0.0)
-            uniform = torch.full_like(p, 1.0 / p.shape[-1])
-            return normalize(weights, uniform)
+            # Empty only when x and its lent neighbours held all of p (alpha rounded just below 1):
+            # fall back to p, never to uniform (which drew tokens top-k / top-p had cut).
+            return normalize(weights, p)
         q_relaxed = normalize(q * keep, q)
         return normalize((p - q_relaxed).clamp_min(0.0), p)
 

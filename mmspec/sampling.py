@@ -134,6 +134,8 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     is ever emitted."""
     if not probs.is_floating_point():
         probs = probs.double()
+    elif probs.dtype in (torch.float16, torch.bfloat16):  # a half-precision running sum skips whole tokens
+        probs = probs.float()
     cdf = probs.cumsum(-1)
     # One check for every kind of bad row: the uniform row's running sum 1..V replaces theirs.
     # A NaN or inf weight, or finite weights whose sum overflows, leave a total outside
@@ -184,7 +186,10 @@ def cached_arange(start: int, stop: int, step: int = 1, device=None) -> torch.Te
 
 def normalize(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """Normalise non-negative weights [B, V] row-wise; rows whose mass is (numerically)
-    zero take `fallback` [B, V] instead, so a degenerate residual (p == q) never yields NaN."""
+    zero take `fallback` [B, V] instead, so a degenerate residual (p == q) never yields NaN.
+    Half-precision weights are normalised in float32 (their zero-mass floor is ~1 at V = 1024)."""
+    if weights.dtype in (torch.float16, torch.bfloat16):
+        weights, fallback = weights.float(), fallback.float()
     mass = weights.sum(-1, keepdim=True)
     floor = torch.finfo(weights.dtype).tiny * weights.shape[-1] * 16
     if weights.device.type == "cpu" and all(m > floor for m in mass.view(-1).tolist()):

@@ -216,3 +216,37 @@ def test_neighbour_lists_never_come_from_a_freed_codebook_at_the_same_address():
         d2.fill_diagonal_(float("inf"))
         assert torch.equal(got.long(), d2.topk(4, largest=False).indices), trial
         del cb, got  # frees the codebook's memory for the next trial's allocation
+
+
+def test_an_empty_residual_falls_back_to_the_target_never_to_tokens_it_cut():
+    """When x and its lent neighbours hold all of p, alpha = 1 can round to 0.99999994 in float32;
+    on that rare rejection the residual was uniform, drawing tokens top-k had cut (p = 0)."""
+    torch.manual_seed(0)
+    V = 16
+    rule = LanternAcceptance(torch.randn(V, 4), k=V - 1, delta=1.0)
+    reached = 0
+    for _ in range(2000):
+        logits = torch.randn(V) * 2
+        logits[torch.randperm(V)[:8]] = -float("inf")  # as top-k leaves it
+        p = torch.softmax(logits, -1).unsqueeze(0)
+        x = p.argmax(-1)
+        if rule.accept_probability(x, p, None).item() < 1:
+            reached += 1
+            assert rule.residual(x, p, None)[0][p[0] == 0].sum().item() == 0
+    assert reached > 100  # the rounding case is common enough here for the check to bite
+
+
+def test_half_precision_weights_are_sampled_and_normalised_in_float32():
+    """A float16 / bfloat16 running sum skipped whole tokens (bfloat16, uniform over 4096: 3328
+    never drawn); `normalize`'s zero-mass floor was ~1 at V = 1024 in float16, so every row fell back."""
+    from mmspec.sampling import normalize, sample_from
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        tokens = sample_from(torch.full((40000, 256), 1.0 / 256, dtype=dtype), g)
+        counts = torch.bincount(tokens, minlength=256).float()
+        assert counts.min() > 100 and counts.max() < 220  # expected 156 each; sd ~12.5
+        w = torch.zeros(1, 1024, dtype=dtype)
+        w[0, 1], w[0, 2] = 1e-3, 2e-3
+        out = normalize(w, torch.full_like(w, 1.0 / 1024))
+        assert abs(out[0, 1].item() - 1 / 3) < 1e-3 and abs(out[0, 2].item() - 2 / 3) < 1e-3
