@@ -19,7 +19,7 @@ c_J (the mass moved between latent neighbours) and J.
 
 Rejection (a sibling in a tree, or the first rejection of a chain):
 - one-hot drafts: zero p on x and on its J nearest neighbours (the mass x borrowed), then
-  renormalise, uniform if nothing is left. This is exact speculative sampling against the
+  renormalise, p itself if nothing is left (alpha rounded just below 1). This is exact speculative sampling against the
   relaxed distribution p~ (x holds p(x) + c_J, its J neighbours 0), so the step's output
   follows p~, at TVD c_J from p. `zero_neighbours="k"` zeroes all k searched neighbours
   instead whenever J >= 1, as the public code does (it zeroes `nearest_latents[x, :k+1]`).
