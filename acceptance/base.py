@@ -37,7 +37,7 @@ def check_chain_inputs(
     if not target_probs.is_floating_point():
         raise ValueError(f"target_probs must be floating point probabilities, got dtype {target_probs.dtype}")
     V = target_probs.shape[2]
-    if K > 0 and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
+    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
         raise ValueError(f"draft_tokens must lie in [0, V={V}); got values outside that range")
     if draft_probs is not None:
         if not isinstance(draft_probs, torch.Tensor) or tuple(draft_probs.shape) != (B, K, V):
@@ -45,6 +45,13 @@ def check_chain_inputs(
                 f"draft_probs must be None or have shape [B, K, V] = [{B}, {K}, {V}], "
                 f"got {tuple(getattr(draft_probs, 'shape', ()))}"
             )
+    # Probabilities, not logits: NaN / inf / negative entries went through and came out as NaN
+    # acceptance probabilities or distortion (the loop checks its own distributions; this is for
+    # direct callers of `verify`). SYNC: input validation.
+    for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
+        if probs is not None and probs.numel() and not bool((torch.isfinite(probs) & (probs >= 0)).all()):
+            raise ValueError(f"{name} must hold finite non-negative probabilities (after softmax), got NaN, inf or "
+                             "negative entries; pass mmspec.process_logits(logits, ...) rather than logits")
 
 
 class ChainRule:

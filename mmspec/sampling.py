@@ -26,6 +26,9 @@ class SamplingConfig:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < 1e-30:  # logits / t overflowed float32 into all-NaN rows, reported as a broken model
+            raise ValueError(f"temperature={t!r} is too small to divide logits by in float32; use temperature=0 "
+                             "(greedy), which is what it approaches")
         k = self.top_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {k!r}")

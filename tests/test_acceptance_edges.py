@@ -187,3 +187,31 @@ def test_acceptance_layering():
             for n in names:
                 assert n in ALLOWED or n.split(".")[0] in {"torch"}, f"{path.name} imports {n}"
                 assert n.split(".")[0] != "acceptance", f"{path.name} imports the bare 'acceptance' package"
+
+
+def test_verify_refuses_what_is_not_a_distribution_and_takes_an_empty_batch():
+    """NaN / inf / negative entries (or logits) went through `verify` and came out as NaN
+    acceptance probabilities or distortion; an empty batch failed in min() with a bare RuntimeError."""
+    from mmspec.sampling import SamplingConfig
+
+    V = 6
+    x = torch.tensor([[1, 2]])
+    p = torch.softmax(torch.randn(1, 3, V), -1)
+    q = torch.softmax(torch.randn(1, 2, V), -1)
+    for name, rule in make_rules(V).items():
+        for bad in (float("nan"), float("inf"), -0.1):
+            tp = p.clone()
+            tp[0, 1, 3] = bad
+            with pytest.raises(ValueError, match="target_probs must hold finite non-negative probabilities"):
+                rule.verify(x, q, tp)
+            dq = q.clone()
+            dq[0, 0, 0] = bad
+            with pytest.raises(ValueError, match="draft_probs must hold finite non-negative probabilities"):
+                rule.verify(x, dq, p)
+        with pytest.raises(ValueError, match="finite non-negative"):
+            rule.verify(x, None, torch.randn(1, 3, V))  # logits
+        out = rule.verify(torch.zeros(0, 2, dtype=torch.long), None, torch.zeros(0, 3, V))
+        assert out.num_accepted.shape == (0,), name
+    with pytest.raises(ValueError, match="too small to divide logits by"):
+        SamplingConfig(temperature=1e-45)
+    SamplingConfig(temperature=1e-30)
