@@ -50,7 +50,7 @@ import mmspec
 from mmspec.acceptance import RULES, get_rule, is_position_keyed
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
 from mmspec.models.llamagen_gpt import LlamaGenGPT
-from mmspec.models.llamagen_sample import CFG_SCHEDULES
+from mmspec.models.llamagen_sample import CFG_SCHEDULES, check_guidance_scale
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
 from mmspec.protocols import implements_drafter
@@ -157,7 +157,14 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
 
     def __init__(self, target: LlamaGenGPT, vq: LlamaGenVQModel, drafter=None, drafter_config: dict | None = None):
         super().__init__()
+        if drafter_config is not None and not isinstance(drafter_config, dict):
+            raise TypeError(f"drafter_config must be None or a dict, got {type(drafter_config).__name__}")
+        unknown = sorted(set(drafter_config or {}) - set(DEFAULT_DRAFTER_CONFIG))
+        if unknown:  # a misspelt key ("windw") was saved and ignored
+            raise ValueError(f"drafter_config has unknown key(s) {unknown}; known: {sorted(DEFAULT_DRAFTER_CONFIG)}")
         settings = {**DEFAULT_DRAFTER_CONFIG, **(drafter_config or {})}
+        if settings["kind"] not in ("model", "jacobi"):
+            raise ValueError(f"drafter_config['kind'] must be 'model' or 'jacobi', got {settings['kind']!r}")
         if not isinstance(target, LlamaGenGPT):
             raise ValueError(f"target must be a LlamaGenGPT, got {type(target).__name__}")
         if not isinstance(vq, LlamaGenVQModel):
@@ -200,6 +207,9 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             if d.args.num_classes != self.num_classes:
                 raise ValueError(f"drafter/target class mismatch: drafter {d.args.num_classes} classes, target "
                                  f"{self.num_classes}")
+            if d.args.block_size < self.num_tokens:  # its positions would be clamped: drafts of the wrong places
+                raise ValueError(f"drafter/target grid mismatch: the drafter GPT has block_size={d.args.block_size}, "
+                                 f"the target generates {self.num_tokens} tokens")
         elif isinstance(d, JacobiDrafter) and d.vocab_size not in (None, V):
             raise ValueError(f"drafter/target codebook mismatch: JacobiDrafter(vocab_size={d.vocab_size}), target {V}")
         elif d is not None and not isinstance(d, JacobiDrafter):
@@ -372,7 +382,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise TypeError(f"callback_on_step_end must be None or callable, got {type(callback_on_step_end).__name__}")
         if not isinstance(return_dict, bool):  # diffusers reads any truthy value as True
             raise TypeError(f"return_dict must be True or False, got {return_dict!r}")
-        if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+        if isinstance(num_images_per_prompt, bool) or not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be an int >= 1, got {num_images_per_prompt!r}")
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type={output_type!r}: must be one of {OUTPUT_TYPES}")
@@ -383,6 +393,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError(f"top_k={top_k!r} exceeds the codebook size {V} (or is not an int)")
         # Refused here, before the progress bar starts, rather than inside the loop under a 0% bar.
         SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        check_guidance_scale(guidance_scale)  # before float() below turns None / "high" into a bare TypeError
+        if acceptance_kwargs is not None and (not isinstance(acceptance_kwargs, dict) or not isinstance(acceptance, str)):
+            raise ValueError("acceptance_kwargs must be a dict and goes with a rule name (acceptance='lantern', ...); "
+                             "configure a rule object through its constructor instead")
         if isinstance(acceptance, str) and acceptance not in RULES:
             get_rule(acceptance)  # raises, naming the known rules
         self.check_components()

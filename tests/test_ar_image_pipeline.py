@@ -303,3 +303,28 @@ def test_a_folder_with_missing_renamed_or_extra_weights_is_refused_by_key(tmp_pa
                 SpeculativeARImagePipeline.from_pretrained(folder)
     again = SpeculativeARImagePipeline.from_pretrained(tmp_path / "p")  # the unedited folder loads
     assert torch.equal(again.target.output.weight, pipe.target.output.weight)
+
+
+def test_pipeline_options_are_honoured_or_refused_by_name():
+    """Each was accepted and ignored, or failed deep inside with an error naming nothing:
+    acceptance_kwargs beside a rule object, unknown drafter_config keys or kinds, a drafter GPT
+    whose position table is shorter than the image (its positions clamped), num_images_per_prompt=True,
+    guidance_scale=None / "high"."""
+    from mmspec.acceptance import ExactAcceptance
+
+    pipe = make_pipe(torch.float32)
+    with pytest.raises(ValueError, match="acceptance_kwargs must be a dict and goes with a rule name"):
+        pipe([0], acceptance=ExactAcceptance(), acceptance_kwargs={"k": 3})
+    with pytest.raises(ValueError, match="acceptance_kwargs must be a dict"):
+        pipe([0], acceptance="lantern", acceptance_kwargs=[("k", 3)])
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['windw'\]"):
+        SpeculativeARImagePipeline(target=pipe.target, vq=pipe.vq, drafter_config={"kind": "jacobi", "windw": 3})
+    with pytest.raises(ValueError, match="drafter_config\\['kind'\\] must be 'model' or 'jacobi'"):
+        SpeculativeARImagePipeline(target=pipe.target, vq=pipe.vq, drafter_config={"kind": "jacobbi"})
+    with pytest.raises(ValueError, match="drafter/target grid mismatch: the drafter GPT has block_size=4"):
+        SpeculativeARImagePipeline(target=pipe.target, vq=pipe.vq, drafter=tiny_gpt(1, block=4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="num_images_per_prompt must be an int >= 1, got True"):
+        pipe([0], num_images_per_prompt=True)
+    for scale in (None, "high"):
+        with pytest.raises(ValueError, match="guidance_scale must be a finite number"):
+            pipe([0], guidance_scale=scale)
