@@ -109,6 +109,8 @@ class _Watch:
         self.on_step = on_step
         self.progress = progress
         self.steps = 0
+        self.row_steps = 0  # what a stopped run reports (the loop's own stats are lost with it)
+        self.emitted = 0
 
     def acceptance_tables(self):
         provide = getattr(self.target, "acceptance_tables", None)
@@ -140,6 +142,8 @@ class _Watch:
                 self.tokens[r, self.count[r]: self.count[r] + take] = torch.tensor(emitted[:take])
             self.count[r] += max(take, 0)
             done += max(take, 0)
+        self.row_steps += len(self.rows)
+        self.emitted += done
         self.progress.update(done)
         if self.on_step is not None and self.on_step(self.steps, self.tokens, list(self.count)):
             raise _Interrupted
@@ -430,8 +434,11 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                 tokens, stats, interrupted = out.sequences[:, 1:].cpu(), out.stats, False
             except _Interrupted:
                 tokens, interrupted = watch.tokens, True
-                stats = SpecStats(target_calls=watch.steps, prefill_calls=1, new_tokens=list(watch.count))
-        row_steps = stats.row_steps if not interrupted else watch.steps * B
+                rule = RULES.get(acceptance) if isinstance(acceptance, str) else acceptance
+                stats = SpecStats(target_calls=watch.steps, prefill_calls=1, new_tokens=list(watch.count),
+                                  row_steps=watch.row_steps, emitted_tokens=watch.emitted, kernels=watch.kernels,
+                                  lossless=bool(getattr(rule, "lossless", True)))
+        row_steps = stats.row_steps
         info = ARImageStats(**dataclasses.asdict(stats), images=B, target_forwards_per_image=(row_steps + B) / B,
                             drafter=drafter_name, interrupted=interrupted)
         images = None if output_type == "latent" else self._decode(tokens, output_type)

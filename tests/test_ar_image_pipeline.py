@@ -225,6 +225,15 @@ def test_callback_stops_and_returns_what_was_decoded():
     out = pipe([0], temperature=0, guidance_scale=3.0, output_type="latent",
                callback_on_step_end=lambda p, s, d, kw: {"stop": s >= 2})
     assert out.interrupted and out.stats.target_calls == 2
+    # What a stopped run reports is what happened (it said lossless=True for LANTERN and 0 row
+    # steps / emitted tokens / mean accepted length, with 3 tokens decoded).
+    out = pipe([0, 1], temperature=1.0, guidance_scale=3.0, output_type="latent", acceptance="lantern",
+               generator=torch.Generator().manual_seed(0), callback_on_step_end=lambda p, s, d, kw: {"stop": s >= 2})
+    decoded = int((out.tokens >= 0).sum())
+    assert out.interrupted and out.stats.lossless is False and out.stats.row_steps == 4
+    assert out.stats.emitted_tokens == decoded - 2  # each row's first token comes from the prefill
+    assert out.stats.mean_accepted_length == pytest.approx((decoded - 2) / 4)
+    assert out.stats.target_forwards_per_image == pytest.approx(3.0)  # prefill + 2 verify forwards
 
 
 def test_drafter_object_swap_and_plain_model_drafter():
