@@ -58,6 +58,8 @@ from mmspec.sampling import SamplingConfig
 from mmspec.stats import SpecStats
 
 
+_NOT_GIVEN = object()  # from_pretrained(drafter=None) means "no drafter", unlike not passing it
+
 DEFAULT_DRAFTER_CONFIG = {"kind": "model", "num_draft_tokens": 4, "tree": None, "window": 16,
                           "coupling": "maximal", "init": "random", "max_window": None}
 
@@ -310,8 +312,17 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
 
     @classmethod
     def _from_testbed_layout(cls, path: Path, **kwargs):
-        """target/ (LlamaGenGPT), vq/ (LlamaGenVQ or LlamaGenVQModel), optional drafter/ (LlamaGenGPT)."""
-        dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+        """target/ (LlamaGenGPT), vq/ (LlamaGenVQ or LlamaGenVQModel), optional drafter/ (LlamaGenGPT).
+        `drafter=` and `drafter_config=` replace the folder's, as for a saved pipeline; `dtype` /
+        `torch_dtype` set the weights' dtype; any other option is refused (all were ignored)."""
+        dtype = kwargs.pop("dtype", None)
+        torch_dtype = kwargs.pop("torch_dtype", None)
+        dtype = torch_dtype if dtype is None else dtype
+        given_drafter = kwargs.pop("drafter", _NOT_GIVEN)
+        given_config = kwargs.pop("drafter_config", None)
+        if kwargs:
+            raise TypeError(f"from_pretrained() of a testbed folder got unsupported argument(s) {sorted(kwargs)}; it "
+                            "takes drafter=, drafter_config= and dtype= (or torch_dtype=)")
         if not (path / "target").is_dir() or not (path / "vq").is_dir():
             raise ValueError(f"{path}: neither a saved pipeline (model_index.json) nor the testbed layout "
                              "(target/ and vq/ folders)")
@@ -330,11 +341,15 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             settings = json.loads((path / "drafter_config.json").read_text())
         elif drafter is None:
             settings = {"kind": "jacobi"}
+        if given_config is not None:
+            settings = given_config
         drafter_model = drafter
         if settings.get("kind") == "jacobi" and drafter is not None:
             # The folder's default drafter is Jacobi (the best one measured); its drafter GPT
             # stays at hand for `pipe.drafter = pipe.drafter_model`.
             drafter = jacobi_from_config(settings)
+        if given_drafter is not _NOT_GIVEN:
+            drafter = given_drafter
         pipe = cls(target=target, vq=vq, drafter=drafter, drafter_config=settings)
         pipe.drafter_model = drafter_model
         return pipe

@@ -102,6 +102,14 @@ def test_testbed_layout_loads(tmp_path):
     codes = out.tokens.view(2, 4, 4)
     assert torch.allclose(out.images, (vq.decode(codes) + 1) / 2)
     assert "ModelDrafter" in out.stats.drafter
+    # drafter= / drafter_config= replace the folder's (they were dropped); other options are refused
+    swapped = SpeculativeARImagePipeline.from_pretrained(tmp_path, drafter=JacobiDrafter(3, None))
+    assert isinstance(swapped.drafter, JacobiDrafter) and swapped.drafter.window == 3
+    configured = SpeculativeARImagePipeline.from_pretrained(tmp_path, drafter_config={"kind": "jacobi", "window": 2})
+    assert configured.drafter.window == 2 and configured.drafter_model is not None
+    assert SpeculativeARImagePipeline.from_pretrained(tmp_path, drafter=None).drafter is None
+    with pytest.raises(TypeError, match=r"unsupported argument\(s\) \['bogus_option'\]"):
+        SpeculativeARImagePipeline.from_pretrained(tmp_path, bogus_option=1)
 
 
 def test_pil_output_and_relaxed_rules():
