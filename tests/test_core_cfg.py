@@ -85,6 +85,26 @@ def test_guided_target_refuses_bad_arguments(target):
         mmspec.GuidedTarget(target, float("nan"), uncond_input_ids=uncond_prompts(1))
 
 
+
+def test_guided_target_refuses_an_unconditional_mask_it_cannot_use(target, good_drafter):
+    """A mask of the wrong shape failed deep in the forward ("Sizes of tensors must match");
+    a row of zeros ran with nothing to attend to."""
+    from conftest import left_padded
+
+    ids, mask = left_padded([4, 3])
+    u = torch.full((2, 3), UNCOND, dtype=torch.long)
+    run = lambda m: mmspec.speculative_generate(  # noqa: E731
+        mmspec.GuidedTarget(target, 2.0, uncond_input_ids=u, uncond_attention_mask=m), ModelDrafter(good_drafter, 2),
+        ids, mask, temperature=0, max_new_tokens=3)
+    for bad, message in ((torch.ones(2, u.shape[1] + 1, dtype=torch.long), "must have the shape"),
+                         (torch.ones(1, u.shape[1], dtype=torch.long), "must have the shape"),
+                         (torch.zeros_like(u), "at least one token"), (torch.full_like(u, 2), "hold 0 / 1"),
+                         (torch.cat([torch.ones_like(u[:, :1]), torch.zeros_like(u[:, 1:])], 1), "left-padded")):
+        with pytest.raises(ValueError, match=message):
+            run(bad)
+    assert torch.equal(run(torch.ones_like(u).bool()).sequences, run(None).sequences)
+
+
 V = 8
 SAMPLES = 12000
 
