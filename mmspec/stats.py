@@ -35,7 +35,7 @@ class SpecStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
-    distortion_total: float = 0.0  # summed total variation of lossy rules (0 for exact rules)
+    distortion_total: float = 0.0  # summed total variation of lossy rules (0 for exact rules; a lower bound for sampled drafts under LANTERN / GSD, see their docstrings)
 
     def record_step(self, num_accepted: list[int], num_nodes: int, emitted: list[int] | None = None) -> None:
         """One verify step: the rule's accepted counts per row, the nodes drafted per row and
