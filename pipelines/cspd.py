@@ -292,6 +292,10 @@ def _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, K, stats
     active = step < num_iter
     k_b = torch.where(active, (num_iter - step).clamp(max=K), torch.zeros_like(step))  # [B] steps to draft
     draft = tokens.clone()
+    # The drafts as drawn, before rounding to the model dtype: the accept test is exact for a
+    # draft that follows q, and a bfloat16-rounded one does not (its rounding step near |x| ~ 1 is
+    # 1-4 standard deviations of the last denoising step: bf16 CSpD drifted from plain sampling).
+    draft64 = tokens.double()
     mq = torch.zeros(B, L, D, dtype=torch.float64, device=dev)
     sq = torch.ones(B, L, D, dtype=torch.float64, device=dev)
     t = time.perf_counter()
@@ -305,6 +309,7 @@ def _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, K, stats
         out = drf(draft[rows], pos_step[rows] < sub_step[:, None], rows, seq, pos, sub_step[seq])
         r = rows[seq]
         draft[r, pos], mq[r, pos], sq[r, pos] = out.sample, out.mean, out.std
+        draft64[r, pos] = out.mean + out.std * drf.noise.final[r, pos].double()  # out.sample before rounding
         stats.spec.draft_calls += 1
     stats.spec.draft_seconds += time.perf_counter() - t
 
@@ -323,7 +328,7 @@ def _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, K, stats
     row, k = seq_rows[seq], seq_k[seq]
     is_draft = k < k_b[row]  # [N] verified drafted token; else a bonus-step token
     res = acceptance.accept_tokens(
-        draft[row, pos][:, None].double(), mq[row, pos][:, None], sq[row, pos][:, None],
+        draft64[row, pos][:, None], mq[row, pos][:, None], sq[row, pos][:, None],
         out.mean[:, None], out.std[:, None], generator=generator,
     )
     acc, resid, fb = res.accepted[:, 0], res.samples[:, 0], res.fell_back[:, 0]

@@ -401,3 +401,29 @@ def test_relaxed_rule_in_the_sampler():
     exact, relaxed = runs["exact"][1], runs["tau42"][1]
     assert relaxed.acceptance_rate > exact.acceptance_rate + 0.2, (exact.summary(), relaxed.summary())
     assert bool(torch.isfinite(runs["tau42"][0]).all())
+
+
+def test_bf16_drafts_are_judged_as_drawn_not_as_rounded():
+    """The accept test is exact for a draft that follows q; it judged the draft after rounding to
+    the model dtype, and in bfloat16 one rounding step near |x| ~ 1 is 1-4 standard deviations of
+    the last denoising step, so bf16 CSpD drifted from plain sampling (p ~ 1e-80 on a per-value
+    chi-square over 20000 images in the review's reproducer)."""
+    from mmspec.acceptance import ContinuousAcceptance
+
+    judged = []
+
+    class Recording(ContinuousAcceptance):
+        def accept_tokens(self, x, *args, **kwargs):
+            judged.append(x.clone())
+            return super().accept_tokens(x, *args, **kwargs)
+
+    target = tiny_mar(0, dtype=torch.bfloat16)
+    drafter = tiny_mar(0, dtype=torch.bfloat16)  # the same weights: drafts are accepted, so they get committed
+    labels = torch.tensor([1, 3])
+    tokens, st = sample_mar(target, labels, num_iter=4, drafter=drafter, num_draft_steps=3, acceptance=Recording(),
+                            generator=torch.Generator().manual_seed(0))
+    x = torch.cat([j.flatten() for j in judged])
+    assert x.dtype == torch.float64 and x.numel() > 0
+    off_grid = (x.to(torch.bfloat16).double() != x).double().mean().item()
+    assert off_grid > 0.9, off_grid  # judged as drawn (float64), not on the bfloat16 grid
+    assert st.accepted_tokens > 0 and tokens.dtype == torch.bfloat16  # what is committed is still the model's dtype
