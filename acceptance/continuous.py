@@ -92,10 +92,13 @@ class ContinuousAcceptance:
         """Trajectory term sum_d (S_q - S_p) [...] (0 when not given)."""
         if draft_logstd_sum is None and target_logstd_sum is None:
             return torch.zeros_like(like[..., 0])
+        # Each term summed over D on its own: [B, K, D] beside [B, K] broadcast along the wrong axes
+        # (with K == D silently: a wrong offset and acceptance probability).
         sq = draft_logstd_sum.to(like.dtype)
         sp = target_logstd_sum.to(like.dtype)
-        diff = sq - sp
-        return diff.sum(-1) if diff.dim() == like.dim() else diff
+        sq = sq.sum(-1) if sq.dim() == like.dim() else sq
+        sp = sp.sum(-1) if sp.dim() == like.dim() else sp
+        return sq - sp
 
     def log_ratio(
         self,

@@ -249,6 +249,9 @@ def sample_mar(
             raise ValueError("final_step_noise=False is plain sampling only: speculative verification needs a Gaussian last step")
         check_speculative(temperature, num_draft_steps, prefill_fraction)
     acceptance = acceptance or ContinuousAcceptance()
+    if not isinstance(acceptance, ContinuousAcceptance):  # failed in the first verify with an AttributeError
+        raise ValueError(f"acceptance must be a ContinuousAcceptance (e.g. get_continuous_rule('continuous')), got "
+                         f"{type(acceptance).__name__}")
     B, L, D = run.labels.shape[0], target.seq_len, target.token_embed_dim
     dev, dtype = target.device, target.dtype
     labels, noise, pos_step, cfg_of_step = run.labels, run.noise, run.pos_step, run.cfg_of_step
@@ -256,7 +259,7 @@ def sample_mar(
     drf = None if drafter is None else _Predictor(drafter, labels, guidance_scale, cfg_of_step, noise, float(temperature), True,
                                                   name="drafter")
 
-    stats = MARStats(images=B, draft_steps=0 if drafter is None else num_draft_steps)
+    stats = MARStats(images=B, draft_steps=0 if drafter is None else min(num_draft_steps, num_iter))
     tokens = torch.zeros(B, L, D, dtype=dtype, device=dev)
     step = torch.zeros(B, dtype=torch.long, device=dev)
     all_rows = torch.arange(B, device=dev)
@@ -278,7 +281,10 @@ def sample_mar(
         if callback is not None:
             callback(int(step.min()))
     while drf is not None and bool((step < num_iter).any()):  # SYNC: loop control
-        _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, num_draft_steps, stats, generator)
+        # A round never drafts past the last step: K above num_iter buys nothing (and 10**12 died
+        # allocating the round's [B, K + 1] flags).
+        _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, min(num_draft_steps, num_iter), stats,
+                    generator)
         if callback is not None:
             callback(int(step.min()))
     stats.spec.new_tokens = [L] * B

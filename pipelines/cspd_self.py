@@ -135,7 +135,7 @@ def sample_mar_self(
                     ("max_residual_tries", max_residual_tries)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    K = num_draft_steps
+    K = min(num_draft_steps, num_iter)  # a round never drafts past the last step (10**12 died in the allocator)
     B, L, D = run.labels.shape[0], target.seq_len, target.token_embed_dim
     S = target.diffloss.gen.num_steps
     dev, dtype = target.device, target.dtype

@@ -174,3 +174,19 @@ def test_invalid_inputs_name_the_argument():
     assert isinstance(get_continuous_rule("continuous", max_tries=8), ContinuousAcceptance)
     with pytest.raises(ValueError, match="MAR pipeline"):
         get_rule("continuous")  # not a discrete rule: its own registry
+
+
+def test_trajectory_terms_of_different_allowed_shapes_are_each_summed_over_d():
+    """[B, K, D] beside [B, K] was subtracted by broadcasting: with K == D a wrong offset and
+    acceptance probability (0.008 for 0.86), otherwise a raw RuntimeError."""
+    from mmspec.acceptance import ContinuousAcceptance
+
+    g = torch.Generator().manual_seed(0)
+    for B, K, D in ((1, 3, 3), (2, 3, 4)):
+        x = torch.zeros(B, K, D, dtype=torch.float64)
+        s = torch.ones(B, K, D, dtype=torch.float64)
+        Sq = torch.rand(B, K, D, generator=g, dtype=torch.float64)
+        Sp = 2.0 + torch.rand(B, K, generator=g, dtype=torch.float64)
+        r = ContinuousAcceptance().accept_tokens(x, x, s, x, s, draft_logstd_sum=Sq, target_logstd_sum=Sp,
+                                                 generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(r.accept_probs, torch.exp((Sq.sum(-1) - Sp).clamp(max=0)))  # p == q: min(1, e^offset)

@@ -427,3 +427,21 @@ def test_bf16_drafts_are_judged_as_drawn_not_as_rounded():
     off_grid = (x.to(torch.bfloat16).double() != x).double().mean().item()
     assert off_grid > 0.9, off_grid  # judged as drawn (float64), not on the bfloat16 grid
     assert st.accepted_tokens > 0 and tokens.dtype == torch.bfloat16  # what is committed is still the model's dtype
+
+
+def test_a_draft_length_past_the_last_step_is_clamped_and_a_discrete_rule_refused():
+    """num_draft_steps=10**12 died allocating a [B, K + 1] tensor; a round never drafts past the
+    last step, so K is clamped to num_iter (same images for a seed as K = num_iter). A rule name or
+    a discrete rule in sample_mar failed in the first verify with an AttributeError."""
+    from mmspec.pipelines.cspd_self import sample_mar_self
+
+    m, labels = tiny_mar(0), torch.tensor([0, 2])
+    for sampler, extra in ((sample_mar, dict(drafter=tiny_mar(1))), (sample_mar_self, {})):
+        runs = [sampler(m, labels, num_iter=3, num_draft_steps=k, generator=torch.Generator().manual_seed(2), **extra)
+                for k in (3, 10 ** 12)]
+        assert torch.equal(runs[0][0], runs[1][0]) and runs[1][1].draft_steps == 3
+    from mmspec.acceptance import ExactAcceptance
+
+    for bad in ("continuous", ExactAcceptance()):
+        with pytest.raises(ValueError, match="acceptance must be a ContinuousAcceptance"):
+            sample_mar(m, labels, num_iter=3, drafter=tiny_mar(1), acceptance=bad)
