@@ -112,6 +112,17 @@ class ContinuousAcceptance:
         """log r(x) [...] = log p~(x) - log q~(x)."""
         return gaussian_log_density(x, target_mean, target_std) - gaussian_log_density(x, draft_mean, draft_std) + offset
 
+    def _finite_log_ratio(self, x, mq, sq, mp, sp, offset) -> torch.Tensor:
+        """`accept_log_ratio` in float64 (float32 densities underflowed to -inf on both sides, and
+        log r = -inf - (-inf) = NaN rejected a draft even where p == q); a NaN left over (inputs
+        beyond float64's range too) is refused by name rather than judged. SYNC: one flag."""
+        lr = self.accept_log_ratio(*(t.double() for t in (x, mq, sq, mp, sp)),
+                                   offset.double() if isinstance(offset, torch.Tensor) else offset)
+        if bool(torch.isnan(lr).any()):
+            raise ValueError("the Gaussian densities of a draft underflowed even in float64 (log ratio NaN): means, "
+                             "samples or standard deviations out of range (e.g. a temperature near 0)")
+        return lr.to(x.dtype)  # the rule's working dtype (a float32 -1e40 becomes -inf: alpha 0, not NaN)
+
     def accept_log_ratio(self, x, draft_mean, draft_std, target_mean, target_std, offset=0.0) -> torch.Tensor:
         """The log ratio the accept / reject decision of a draft token uses: `log_ratio` here
         (exact); a relaxed rule overrides this only, so its residual stays the exact
@@ -208,7 +219,7 @@ class ContinuousAcceptance:
         dtype = torch.float64 if draft_samples.dtype == torch.float64 else torch.float32
         x, mq, sq, mp, sp = (t.to(dtype) for t in (draft_samples, draft_mean, draft_std, target_mean, target_std))
         offset = self._offset(draft_logstd_sum, target_logstd_sum, x)  # [B, K]
-        lr = self.accept_log_ratio(x, mq, sq, mp, sp, offset)
+        lr = self._finite_log_ratio(x, mq, sq, mp, sp, offset)
         alpha = torch.exp(lr.clamp(max=0.0))  # min(1, r)
         u = draw(torch.rand, B, K, generator=generator, dtype=dtype, device=x.device)
         accepted = u < alpha
@@ -256,7 +267,7 @@ class ContinuousAcceptance:
                 torch.zeros(B, dtype=torch.long, device=x.device), empty,
             )
         offset = self._offset(draft_logstd_sum, target_logstd_sum, x)  # [B, K]
-        lr = self.accept_log_ratio(x, mq, sq, mp[:, :K], sp[:, :K], offset)
+        lr = self._finite_log_ratio(x, mq, sq, mp[:, :K], sp[:, :K], offset)
         alpha = torch.exp(lr.clamp(max=0.0))
         u = draw(torch.rand, B, K, generator=generator, dtype=dtype, device=x.device)
         accepted = u < alpha

@@ -190,3 +190,19 @@ def test_trajectory_terms_of_different_allowed_shapes_are_each_summed_over_d():
         r = ContinuousAcceptance().accept_tokens(x, x, s, x, s, draft_logstd_sum=Sq, target_logstd_sum=Sp,
                                                  generator=torch.Generator().manual_seed(1))
         assert torch.allclose(r.accept_probs, torch.exp((Sq.sum(-1) - Sp).clamp(max=0)))  # p == q: min(1, e^offset)
+
+
+def test_the_log_ratio_never_judges_a_nan():
+    """Both float32 Gaussian densities underflowed to -inf for finite inputs, and log r = NaN
+    rejected the draft (counted as a fallback) even where p == q; in float64 it is accepted.
+    What still underflows in float64 is refused by name instead of judged."""
+    from mmspec.acceptance import ContinuousAcceptance
+
+    t = lambda v, dtype: torch.full((1, 1, 1), v, dtype=dtype)  # noqa: E731
+    for dtype in (torch.float32, torch.float64):
+        r = ContinuousAcceptance().accept_tokens(t(0.0, dtype), t(1e20, dtype), t(1.0, dtype), t(1e20, dtype),
+                                                 t(1.0, dtype), generator=torch.Generator().manual_seed(0))
+        assert r.accept_probs.item() == 1.0 and bool(r.accepted.all()), dtype
+    with pytest.raises(ValueError, match="underflowed even in float64"):
+        ContinuousAcceptance().accept_tokens(t(0.0, torch.float64), t(1e-100, torch.float64), t(1e-300, torch.float64),
+                                             t(1e-100, torch.float64), t(1e-300, torch.float64))
