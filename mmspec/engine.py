@@ -79,22 +79,27 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if attention_mask is None:
         return torch.ones_like(input_ids)
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}"
-        )
-    if bool(((attention_mask != 0) & (attention_mask != 1)).any()):  # SYNC: input validation, once per call
-        # -1 for padding read as a token (a silently different answer); 0.5 read as padding
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (a real token), as a tokenizer returns it; "
-                         f"got other values, e.g. {attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()!r}")
-    am = attention_mask.long()
-    # SYNC: input validation, once per call. Left padding: once a row starts it stays on.
-    if bool(((am[:, 1:] - am[:, :-1]) < 0).any()) or bool((am.sum(1) == 0).any()):
-        raise ValueError(
-            "attention_mask must be left-padded (zeros only before each row's first token) and every row "
-            "must have at least one real token; re-tokenize with padding_side='left'"
-        )
+    return check_attention_mask(attention_mask, input_ids)
+
+
+def check_attention_mask(mask, ids: torch.Tensor, name: str = "attention_mask", ids_name: str = "input_ids"
+                         ) -> torch.Tensor:
+    """`mask` as a long tensor, refused by name unless it is one left-padded 0 / 1 row per row of
+    `ids` with at least one token each (the loop's prompts and GuidedTarget's unconditional ones).
+    -1 for padding was read as a token (a silently different answer), 0.5 as padding. SYNC: one
+    host read, once per request."""
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        raise ValueError(f"{name} must have the shape of {ids_name} {tuple(ids.shape)}, got "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    am = mask.long()
+    odd = (mask != 0) & (mask != 1)
+    bad_value, not_left, empty = torch.stack([odd.any(), (am[:, 1:] < am[:, :-1]).any(), (am.sum(1) == 0).any()]).tolist()
+    if bad_value:
+        raise ValueError(f"{name} must hold 0 / 1: only 0 (padding) and 1 (a real token), as a tokenizer returns it; "
+                         f"got other values, e.g. {mask[odd][0].item()!r}")
+    if not_left or empty:
+        raise ValueError(f"{name} must be left-padded (zeros only before each row's first token) and give every row at "
+                         "least one token; re-tokenize with padding_side='left'")
     return am
 
 

@@ -124,16 +124,10 @@ class GuidedTarget:
             u_inputs = model_inputs
         if u_ids.dim() != 2 or u_ids.shape[0] != B:
             raise ValueError(f"unconditional prompts must be [B={B}, L'] (one per row), got {tuple(u_ids.shape)}")
-        if not isinstance(u_mask, torch.Tensor) or u_mask.shape != u_ids.shape:  # failed deep in the forward
-            raise ValueError(f"the unconditional attention mask must have the shape of the unconditional prompts "
-                             f"{tuple(u_ids.shape)}, got {tuple(getattr(u_mask, 'shape', ()))}")
-        u_mask = u_mask.to(u_ids.device)
-        m = u_mask.long()
-        # SYNC: validation, once per request. As for the conditional rows (a row of zeros ran with
-        # nothing to attend to; -1 or 2 were read as tokens).
-        if bool(((u_mask != 0) & (u_mask != 1)).any()) or bool((m.sum(1) == 0).any()) or bool((m[:, 1:] < m[:, :-1]).any()):
-            raise ValueError("the unconditional attention mask must hold 0 / 1, be left-padded and give every row at "
-                             "least one token")
+        from mmspec.engine import check_attention_mask  # the loop's own check (a wrong shape failed deep in the forward)
+
+        u_mask = check_attention_mask(u_mask.to(u_ids.device) if isinstance(u_mask, torch.Tensor) else u_mask, u_ids,
+                                      "the unconditional attention mask", "the unconditional prompts")
         need = u_ids.shape[1] + max_new_tokens - 1 + max_draft_nodes
         if self.max_positions is not None and u_ids.shape[1] > input_ids.shape[1] and need > self.max_positions:
             raise ValueError(
