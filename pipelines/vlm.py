@@ -294,9 +294,6 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         raise ValueError(f"images must be PIL images, file paths or None, got {type(item).__name__}")
 
     def _prompt(self, text: str | None, n_images: int) -> str:
-        if text is None and n_images == 0:  # the caption prompt alone: a caption of an image nobody gave
-            raise ValueError("an item has neither an image nor a prompt (None, None): give an image to caption or a "
-                             "text prompt to answer")
         text = self.config.caption_prompt if text is None else text
         if not isinstance(text, str):
             raise ValueError(f"prompts must be strings or None, got {type(text).__name__}")
