@@ -10,7 +10,9 @@ linear schedule) and decodes them with the VQ. Registered components: `target` (
 a null class drafts unguided, which stays exact but is accepted less often), a `JacobiDrafter`
 (self-drafting, SJD / coupled drafts; no extra model) or None (Jacobi with the saved settings).
 `pipe.drafter = JacobiDrafter(...)` swaps drafters like a diffusers scheduler; the settings are
-saved with the pipeline (`drafter_config`). `speculative=False` decodes one token per forward
+saved with the pipeline (`drafter_config`). A drafter GPT stays at hand as `pipe.drafter_model` while
+Jacobi drafts (`pipe.drafter = pipe.drafter_model` switches back); a saved folder keeps it (as its
+drafter component, with kind "jacobi"), and saving leaves the live pipeline as it was. `speculative=False` decodes one token per forward
 through the same target code (`NullDrafter`), which is the baseline every speed-up is
 measured against. With `acceptance="invariant"` (Gumbel-max sampling with noise keyed by seed,
 row and position) `speculative=False` keeps that rule, so a seed gives the same images with and
@@ -176,9 +178,14 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if not isinstance(vq, LlamaGenVQModel):
             raise ValueError(f"vq must be a LlamaGenVQModel (wrap a LlamaGenVQ with LlamaGenVQModel.from_vq), got "
                              f"{type(vq).__name__}")
-        if drafter is None and settings["kind"] == "jacobi":
+        # The small GPT at hand for `pipe.drafter = pipe.drafter_model`; with kind "jacobi" a given
+        # GPT is held there while Jacobi drafts (how a folder keeps both: the testbed layout, and a
+        # saved pipeline whose drafter GPT was at hand while Jacobi was active).
+        held = drafter if isinstance(drafter, LlamaGenGPT) else None
+        if settings["kind"] == "jacobi" and (drafter is None or held is not None):
             drafter = jacobi_from_config(settings)
         self.register_modules(target=target, vq=vq, drafter=drafter)
+        self.drafter_model = held
         self.register_to_config(drafter_config=settings)
         # Linear kernels of the target and of a GPT drafter (mmspec/models/prepack.py): "auto"
         # measures stock against oneDNN-prepacked weights once per model and row count on this
@@ -205,17 +212,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if self.vq.token_grid ** 2 != self.num_tokens:
             raise ValueError(f"grid mismatch: the VQ decodes {self.vq.token_grid}x{self.vq.token_grid} tokens but the "
                              f"target GPT generates block_size={self.num_tokens}")
+        held = self.__dict__.get("drafter_model")
+        if isinstance(held, LlamaGenGPT) and held is not self.drafter:
+            self._check_gpt_drafter(held)
         d = self.drafter
         if isinstance(d, LlamaGenGPT):
-            if d.args.vocab_size != V:
-                raise ValueError(f"drafter/target codebook mismatch: the drafter GPT predicts {d.args.vocab_size} "
-                                 f"tokens, the target {V}")
-            if d.args.num_classes != self.num_classes:
-                raise ValueError(f"drafter/target class mismatch: drafter {d.args.num_classes} classes, target "
-                                 f"{self.num_classes}")
-            if d.args.block_size < self.num_tokens:  # its positions would be clamped: drafts of the wrong places
-                raise ValueError(f"drafter/target grid mismatch: the drafter GPT has block_size={d.args.block_size}, "
-                                 f"the target generates {self.num_tokens} tokens")
+            self._check_gpt_drafter(d)
         elif isinstance(d, JacobiDrafter) and d.vocab_size not in (None, V):
             raise ValueError(f"drafter/target codebook mismatch: JacobiDrafter(vocab_size={d.vocab_size}), target {V}")
         elif d is not None and not isinstance(d, JacobiDrafter):
@@ -224,6 +226,18 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                                  f"{type(d).__name__}")
             if d.vocab_size != V:
                 raise ValueError(f"drafter/target codebook mismatch: drafter vocab_size={d.vocab_size}, target {V}")
+
+    def _check_gpt_drafter(self, d: LlamaGenGPT) -> None:
+        V = self.target.args.vocab_size
+        if d.args.vocab_size != V:
+            raise ValueError(f"drafter/target codebook mismatch: the drafter GPT predicts {d.args.vocab_size} "
+                             f"tokens, the target {V}")
+        if d.args.num_classes != self.num_classes:
+            raise ValueError(f"drafter/target class mismatch: drafter {d.args.num_classes} classes, target "
+                             f"{self.num_classes}")
+        if d.args.block_size < self.num_tokens:  # its positions would be clamped: drafts of the wrong places
+            raise ValueError(f"drafter/target grid mismatch: the drafter GPT has block_size={d.args.block_size}, "
+                             f"the target generates {self.num_tokens} tokens")
 
     def _drafter_for(self, speculative: bool, schedule, guided: bool):
         V = self.target.args.vocab_size
@@ -287,9 +301,20 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             raise ValueError(f"pipe.drafter is a {type(d).__name__}, which a saved pipeline cannot hold (it saves a "
                              "JacobiDrafter's settings or a LlamaGenGPT drafter); set pipe.drafter to one of those, or "
                              "to None (the folder then drafts with its drafter_config), before save_pretrained")
-        self.register_to_config(drafter_config=settings)
-        self.register_to_config(drafter=_fetch_class_library_tuple(d) if isinstance(d, ModelMixin) else (None, None))
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        # The folder keeps a drafter GPT held at hand while Jacobi drafts (the testbed layout's
+        # default) as its drafter component, with kind "jacobi"; `from_pretrained` holds it again.
+        held = self.__dict__.get("drafter_model")
+        saved = held if isinstance(d, JacobiDrafter) and isinstance(held, LlamaGenGPT) else d
+        live = dict(self.config.drafter_config), self.config.drafter  # restored after: saving changes nothing
+        try:
+            self.register_to_config(drafter_config=settings)
+            self.register_to_config(drafter=_fetch_class_library_tuple(saved) if isinstance(saved, ModelMixin)
+                                    else (None, None))
+            self.__dict__["drafter"] = saved
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            self.__dict__["drafter"] = d
+            self.register_to_config(drafter_config=live[0], drafter=live[1])
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -343,15 +368,14 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             settings = {"kind": "jacobi"}
         if given_config is not None:
             settings = given_config
-        drafter_model = drafter
-        if settings.get("kind") == "jacobi" and drafter is not None:
-            # The folder's default drafter is Jacobi (the best one measured); its drafter GPT
-            # stays at hand for `pipe.drafter = pipe.drafter_model`.
-            drafter = jacobi_from_config(settings)
-        if given_drafter is not _NOT_GIVEN:
-            drafter = given_drafter
-        pipe = cls(target=target, vq=vq, drafter=drafter, drafter_config=settings)
-        pipe.drafter_model = drafter_model
+        if given_drafter is _NOT_GIVEN:
+            # kind "jacobi" (the folder's default, the best drafter measured) drafts with Jacobi and
+            # holds the folder's drafter GPT at hand for `pipe.drafter = pipe.drafter_model`.
+            return cls(target=target, vq=vq, drafter=drafter, drafter_config=settings)
+        pipe = cls(target=target, vq=vq, drafter=given_drafter, drafter_config=settings)
+        if drafter is not None and pipe.drafter_model is None:
+            pipe.drafter_model = drafter
+            pipe.check_components()
         return pipe
 
     # ---- generation ----------------------------------------------------------------------------

@@ -88,6 +88,33 @@ def test_save_load_round_trip_gives_bit_identical_images(tmp_path, drafter):
     assert not torch.equal(first.tokens, third.tokens)  # the seed matters: the comparison can fail
 
 
+def test_saving_keeps_the_held_drafter_gpt_and_leaves_the_live_pipeline_unchanged(tmp_path):
+    pipe = make_pipe(torch.float32)
+    gpt = pipe.drafter
+    assert pipe.drafter_model is gpt  # a GPT drafter is also the one at hand
+    pipe.drafter = JacobiDrafter(3, None)
+    live = json.dumps([pipe.config.drafter, pipe.config.drafter_config], sort_keys=True)
+    pipe.save_pretrained(tmp_path / "p")
+    assert json.dumps([pipe.config.drafter, pipe.config.drafter_config], sort_keys=True) == live  # left as it was
+    assert isinstance(pipe.drafter, JacobiDrafter) and pipe.drafter_model is gpt
+    index = json.loads((tmp_path / "p" / "model_index.json").read_text())
+    assert index["drafter_config"]["kind"] == "jacobi" and index["drafter"][1] == "LlamaGenGPT"
+    loaded = SpeculativeARImagePipeline.from_pretrained(tmp_path / "p")
+    loaded.set_progress_bar_config(disable=True)
+    assert isinstance(loaded.drafter, JacobiDrafter) and loaded.drafter.window == 3
+    held = loaded.drafter_model  # the drafter GPT came back with the folder (it was dropped)
+    assert all(torch.equal(a, b) for a, b in zip(held.state_dict().values(), gpt.state_dict().values()))
+    kw = dict(temperature=0, guidance_scale=2.0, output_type="latent")
+    loaded.drafter = held
+    pipe.drafter = gpt
+    a, b = loaded([0, 3], **kw), pipe([0, 3], **kw)
+    assert torch.equal(a.tokens, b.tokens) and "ModelDrafter" in a.stats.drafter
+    # saved again with the GPT active, the folder drafts with it
+    loaded.save_pretrained(tmp_path / "q")
+    again = SpeculativeARImagePipeline.from_pretrained(tmp_path / "q")
+    assert type(again.drafter).__name__ == "LlamaGenGPT" and again.drafter_model is again.drafter
+
+
 def test_testbed_layout_loads(tmp_path):
     target = tiny_gpt(0, dtype=torch.float32)
     target.save_pretrained(tmp_path / "target")
