@@ -56,7 +56,7 @@ from mmspec.models.llamagen_sample import CFG_SCHEDULES, check_guidance_scale
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
 from mmspec.protocols import implements_drafter
-from mmspec.sampling import SamplingConfig
+from mmspec.sampling import SamplingConfig, check_generator
 from mmspec.stats import SpecStats
 
 
@@ -437,6 +437,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         # Refused here, before the progress bar starts, rather than inside the loop under a 0% bar.
         SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         check_guidance_scale(guidance_scale)  # before float() below turns None / "high" into a bare TypeError
+        check_generator(generator)
         if acceptance_kwargs is not None and (not isinstance(acceptance_kwargs, dict) or not isinstance(acceptance, str)):
             raise ValueError("acceptance_kwargs must be a dict and goes with a rule name (acceptance='lantern', ...); "
                              "configure a rule object through its constructor instead")
@@ -472,7 +473,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                 )
                 tokens, stats, interrupted = out.sequences[:, 1:].cpu(), out.stats, False
             except _Interrupted:
-                tokens, interrupted = watch.tokens, True
+                # a stop after the last token leaves nothing undecoded: a complete run, not flagged
+                tokens, interrupted = watch.tokens, any(c < T for c in watch.count)
                 rule = RULES.get(acceptance) if isinstance(acceptance, str) else acceptance
                 stats = SpecStats(target_calls=watch.steps, prefill_calls=1, new_tokens=list(watch.count),
                                   row_steps=watch.row_steps, emitted_tokens=watch.emitted, kernels=watch.kernels,

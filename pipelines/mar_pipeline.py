@@ -32,6 +32,7 @@ from mmspec.adaptive_window import WindowBandit
 from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, check_sampling, check_speculative, sample_mar
 from mmspec.pipelines.cspd_self import sample_mar_self
+from mmspec.sampling import check_generator
 
 # num_draft_steps="auto" with draft="self": the arms are K = 0 (plain sampling) .. this many
 SELF_DRAFT_K_MAX = 4
@@ -146,6 +147,7 @@ class SpeculativeMARPipeline(DiffusionPipeline):
             drafter = self.drafter
         # Refused here rather than inside the sampler, under a progress bar already drawn.
         check_sampling(temperature, guidance_scale, cfg_schedule)
+        check_generator(generator)
         if speculative:
             check_speculative(temperature, 1 if num_draft_steps == "auto" else num_draft_steps,
                               None if self_draft else prefill_fraction)

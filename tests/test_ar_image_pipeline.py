@@ -269,6 +269,12 @@ def test_callback_stops_and_returns_what_was_decoded():
     assert out.stats.emitted_tokens == decoded - 2  # each row's first token comes from the prefill
     assert out.stats.mean_accepted_length == pytest.approx((decoded - 2) / 4)
     assert out.stats.target_forwards_per_image == pytest.approx(3.0)  # prefill + 2 verify forwards
+    # A stop asked for after the last token loses nothing: the run is complete, not flagged.
+    plain = pipe([0, 1], temperature=0, guidance_scale=3.0, output_type="latent", speculative=False)
+    out = pipe([0, 1], temperature=0, guidance_scale=3.0, output_type="np", speculative=False,
+               callback_on_step_end=lambda p, s, d, kw: {"stop": min(kw["num_tokens"]) == 16})
+    assert not out.interrupted and not out.stats.interrupted and torch.equal(out.tokens, plain.tokens)
+    assert out.images.shape == (2, 8, 8, 3) and out.stats.target_calls == 15
 
 
 def test_drafter_object_swap_and_plain_model_drafter():
@@ -312,9 +318,10 @@ def test_sampling_settings_are_refused_before_the_progress_bar_starts(capsys):
     pipe.set_progress_bar_config(disable=False)
     cases = [(dict(temperature=-1.0), "temperature must be"), (dict(top_k=0), "top_k must be None or an int >= 1"),
              (dict(top_p=1.5), "top_p must be None"), (dict(acceptance="foo"), "acceptance='foo' is not a known rule"),
-             (dict(acceptance="continuous"), "verifies continuous tokens")]
+             (dict(acceptance="continuous"), "verifies continuous tokens"),
+             (dict(generator=[torch.Generator()]), "a list of 1 generators"), (dict(generator=3), "generator must be")]
     for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises((ValueError, TypeError), match=message):
             pipe([0], **kwargs)
         assert "it/s" not in capsys.readouterr().err, kwargs  # no bar was drawn
     pipe([0], num_images_per_prompt=1, output_type="latent")  # a valid call does draw it

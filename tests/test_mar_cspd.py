@@ -302,8 +302,9 @@ def test_pipeline_refuses_sampling_settings_before_its_progress_bar(capsys):
              (dict(num_draft_steps="four", draft="self"), "num_draft_steps must be an int >= 1"),
              (dict(prefill_fraction=1.5), r"prefill_fraction must be a number in \[0, 1\]"),
              (dict(prefill_fraction="half"), r"prefill_fraction must be a number in \[0, 1\]")]
+    cases += [(dict(generator=[torch.Generator()]), "a list of 1 generators"), (dict(generator=3), "generator must be")]
     for kwargs, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises((ValueError, TypeError), match=message):
             pipe([0], num_iter=2, **kwargs)
         assert "it/s" not in capsys.readouterr().err, kwargs  # no bar was drawn
     pipe([0], num_iter=2, output_type="latent")  # a valid call draws it
