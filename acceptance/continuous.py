@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.sampling import draw
+from mmspec.sampling import draw, plain_number
 
 
 @dataclass
@@ -78,6 +78,7 @@ class ContinuousAcceptance:
     name = "continuous"
 
     def __init__(self, max_tries: int = 64, tries_per_block: int = 16) -> None:
+        max_tries, tries_per_block = plain_number(max_tries), plain_number(tries_per_block)
         if isinstance(max_tries, bool) or not isinstance(max_tries, int) or max_tries < 1:
             raise ValueError(f"max_tries must be an int >= 1, got {max_tries!r}")
         if isinstance(tries_per_block, bool) or not isinstance(tries_per_block, int) or tries_per_block < 1:

@@ -42,6 +42,7 @@ import math
 import torch
 
 from .continuous import ContinuousAcceptance, gaussian_log_density
+from mmspec.sampling import plain_number
 
 
 class RelaxedContinuousAcceptance(ContinuousAcceptance):
@@ -52,6 +53,7 @@ class RelaxedContinuousAcceptance(ContinuousAcceptance):
 
     def __init__(self, inner_temperature: float = 42.0, max_tries: int = 64, tries_per_block: int = 16) -> None:
         super().__init__(max_tries=max_tries, tries_per_block=tries_per_block)
+        inner_temperature = plain_number(inner_temperature)
         if isinstance(inner_temperature, bool) or not isinstance(inner_temperature, (int, float)) \
                 or not math.isfinite(inner_temperature) or inner_temperature < 1.0:
             raise ValueError(f"inner_temperature must be a finite number >= 1 (1 is the exact rule), got {inner_temperature!r}")

@@ -46,6 +46,7 @@ import torch
 
 from .base import ChainRule
 from .exact import capped_ratio, exact_residual
+from mmspec.sampling import plain_number
 
 
 # Squared-distance tables of small codebooks, by embedding tensor (identity, shape, in-place
@@ -74,6 +75,8 @@ class GroupedAcceptance(ChainRule):
             raise ValueError(f"embeddings must be floating point, got dtype {embeddings.dtype}")
         if not bool(torch.isfinite(embeddings).all()):  # NaN distances silently emptied every cluster
             raise ValueError("embeddings hold NaN or inf entries; pass the model's finite token embeddings")
+        window, prob_threshold = plain_number(window), plain_number(prob_threshold)
+        distance_threshold = plain_number(distance_threshold)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1 (tokens around x's rank), got {window!r}")
         # `not x >= 0` also refuses NaN, which compared False everywhere (an exact rule in disguise);

@@ -49,7 +49,7 @@ import torch
 
 from .base import ChainRule
 from .exact import capped_ratio
-from mmspec.sampling import cached_arange, normalize
+from mmspec.sampling import cached_arange, normalize, plain_number
 
 # (data_ptr, shape, stride, dtype, device, version, normalize) -> int index tensor [V, k_max]
 _NEIGHBOUR_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (codebook, lists)
@@ -122,6 +122,7 @@ class LanternAcceptance(ChainRule):
         if not isinstance(normalize, bool):  # "no" is truthy
             raise TypeError(f"normalize must be True or False, got {normalize!r}")
         V = codebook.shape[0]
+        k, delta, lam = plain_number(k), plain_number(delta), plain_number(lam)
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"k must be an int >= 0 (number of neighbours searched), got {k!r}")
         if k > V - 1:

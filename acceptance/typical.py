@@ -28,6 +28,7 @@ import math
 import torch
 
 from .base import ChainRule
+from mmspec.sampling import plain_number
 
 
 def entropy(p: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,7 @@ class TypicalAcceptance(ChainRule):
     name = "typical"
 
     def __init__(self, epsilon: float = 0.09, alpha: float = 0.3) -> None:
+        epsilon, alpha = plain_number(epsilon), plain_number(alpha)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not (0.0 <= float(epsilon) <= 1.0):
             raise ValueError(f"epsilon must be a probability threshold in [0, 1], got {epsilon!r}")
         # NaN / inf made the threshold NaN (inf * exp(-H) is NaN where exp(-H) underflows to 0)

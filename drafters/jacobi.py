@@ -56,7 +56,7 @@ import torch
 
 from mmspec.adaptive_window import WindowBandit
 from mmspec.position_noise import DraftsWithPositionNoise
-from mmspec.sampling import SamplingConfig, cached_arange, draw, process_logits, sample_from
+from mmspec.sampling import SamplingConfig, cached_arange, draw, plain_number, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput
 
@@ -71,6 +71,7 @@ class JacobiDrafter(DraftsWithPositionNoise):
 
     def __init__(self, window: int | str = "auto", coupling: str | None = "maximal", init: str = "random", *,
                  max_window: int | None = None, vocab_size: int | None = None):
+        window, max_window, vocab_size = plain_number(window), plain_number(max_window), plain_number(vocab_size)
         self.adaptive = window == "auto"
         if self.adaptive:
             if max_window is None:

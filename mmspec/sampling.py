@@ -9,9 +9,19 @@ math runs in float32 or wider (float64 models stay float64).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+
+def plain_number(x):
+    """A NumPy scalar (`np.float32(0.2)`, `np.int64(3)`) as the Python number it holds, anything else
+    as it is. Options are checked as Python ints / floats, and a NumPy scalar was refused as out of
+    range although it lay inside it; bools, tensors and strings stay for the caller to refuse."""
+    if isinstance(x, (bool, int, float)) or not isinstance(x, numbers.Real) or type(x).__module__ != "numpy":
+        return x
+    return int(x) if isinstance(x, numbers.Integral) else float(x)
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,8 @@ class SamplingConfig:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_k", "top_p"):
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")

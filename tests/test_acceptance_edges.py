@@ -215,3 +215,38 @@ def test_verify_refuses_what_is_not_a_distribution_and_takes_an_empty_batch():
     with pytest.raises(ValueError, match="too small to divide logits by"):
         SamplingConfig(temperature=1e-45)
     SamplingConfig(temperature=1e-30)
+
+
+def test_numpy_scalar_options_are_taken_as_the_numbers_they_hold():
+    """`LanternAcceptance(delta=np.float32(0.25))` was refused as "must be in [0, 1], got
+    np.float32(0.25)"; NumPy scalars (from configs, sweeps, np.linspace) now mean their value."""
+    import numpy as np
+
+    from mmspec.acceptance.continuous_relaxed import RelaxedContinuousAcceptance
+    from mmspec.drafters import JacobiDrafter
+    from mmspec.sampling import SamplingConfig
+
+    torch.manual_seed(0)
+    cb = torch.randn(12, 3)
+    pairs = [(LanternAcceptance(cb, k=np.int64(4), delta=np.float32(0.25)), LanternAcceptance(cb, k=4, delta=0.25)),
+             (LanternAcceptance(cb, k=np.int32(4), lam=np.float16(2.0)), LanternAcceptance(cb, k=4, lam=2.0)),
+             (TypicalAcceptance(np.float32(0.125), np.float64(0.5)), TypicalAcceptance(0.125, 0.5)),
+             (GroupedAcceptance(cb, window=np.int16(3), prob_threshold=np.float32(0.5)),
+              GroupedAcceptance(cb, window=3, prob_threshold=0.5))]
+    p = torch.softmax(torch.randn(6, 4, 12, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(6, 3, 12, dtype=torch.float64), -1)
+    drafts = torch.multinomial(q.view(-1, 12), 1).view(6, 3)
+    for numpy_rule, python_rule in pairs:
+        a = numpy_rule.verify(drafts, q, p, generator=torch.Generator().manual_seed(1))
+        b = python_rule.verify(drafts, q, p, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.next_tokens, b.next_tokens)
+    assert ContinuousAcceptance(np.int64(8), np.int64(2)).max_tries == 8
+    assert RelaxedContinuousAcceptance(np.float32(2.0)).inner_temperature == 2.0
+    config = SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float32(0.5))
+    assert config == SamplingConfig(temperature=0.5, top_k=3, top_p=0.5) and type(config.top_k) is int
+    assert JacobiDrafter(np.int64(4)).window == 4 and JacobiDrafter("auto", max_window=np.int8(5)).max_window == 5
+    # what is no number stays refused: a NumPy bool, a float where an int is needed
+    with pytest.raises(ValueError, match="temperature must be"):
+        SamplingConfig(temperature=np.bool_(True))
+    with pytest.raises(ValueError, match="top_k must be"):
+        SamplingConfig(top_k=np.float32(3.0))
