@@ -42,6 +42,17 @@ def _run(args, images, prompts) -> int:
     from mmspec.acceptance import is_position_keyed
     from mmspec.devices import check_device, move_pipeline
 
+    from mmspec.acceptance import RULES, get_rule
+    from mmspec.sampling import SamplingConfig
+
+    try:  # refused before the weights load (a progress bar and seconds of work), not after
+        SamplingConfig(temperature=args.temperature)
+        if args.max_new_tokens < 0:
+            raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+        if args.acceptance not in RULES:
+            get_rule(args.acceptance)  # raises, naming the known rules
+    except ValueError as e:
+        raise SystemExit(f"mmspec {args.command}: {e}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -128,8 +139,8 @@ def cmd_train_drafter(args) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="saved pipeline or transformers VLM folder (default: bundled VLM)")
     p.add_argument("--drafter", default=None, help="drafter name saved with the pipeline, or a drafter folder")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", type=positive_int, default=None, help="items per batch (default: all at once)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer at most (0: none)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--acceptance", default="exact",
                    help="exact (default), invariant (sampled answers equal plain sampling's for a seed), typical, ...")

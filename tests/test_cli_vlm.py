@@ -80,6 +80,22 @@ def test_model_is_required_until_a_testbed_vlm_is_bundled(saved, monkeypatch):
         main(["caption", str(saved / "0.png"), "--model", str(saved / "pipe"), "--drafter", "nope"])
 
 
+def test_bad_values_are_refused_before_the_model_loads(tmp_path, capsys):
+    """Checked first: --model names a folder that does not exist, so a refusal that came only after
+    loading would be about the folder instead."""
+    image, folder = str(tmp_path / "0.png"), str(tmp_path / "no-such-model")
+    for flags, message in [(["--temperature", "-1"], "temperature must be"),
+                           (["--temperature", "nan"], "temperature must be"),
+                           (["--acceptance", "fast"], "acceptance='fast' is not a known rule"),
+                           (["--acceptance", "continuous"], "verifies continuous tokens"),
+                           (["--max-new-tokens", "-2"], "--max-new-tokens must be >= 0")]:
+        with pytest.raises(SystemExit, match=message):
+            main(["caption", image, "--model", folder, *flags])
+    with pytest.raises(SystemExit):
+        main(["vqa", image, "--question", "what?", "--model", folder, "--batch-size", "0"])
+    assert "expected an int >= 1, got 0" in capsys.readouterr().err
+
+
 def test_train_drafter_command(saved, tmp_path, capsys):
     code = main(["train-drafter", "--pipeline", str(saved / "pipe"), "--drafter", "vispec", "--out", str(tmp_path / "v"),
                  "--data", str(saved), "--steps", "2", "--batch-size", "2", "--answer-tokens", "4", "--no-progress"])
