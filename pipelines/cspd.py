@@ -84,9 +84,11 @@ class MARStats:
     accepted_tokens: int = 0  # judged tokens accepted (committed drafts)
     residual_tokens: int = 0  # committed residual samples (rejected tokens)
     fallbacks: int = 0  # residual samples that used the explicit fallback
-    bonus_steps: int = 0
+    bonus_steps: int = 0  # draft="model": row steps sampled by the target after all its drafts passed
+    bonus_tokens: int = 0  # tokens committed from the target's own samples (neither drafts nor residuals)
     rounds: int = 0
-    residual_tries: int = 0  # residual proposals drawn (self-drafted sampling: whole target trajectories)
+    residual_tries: int = 0  # draft="self" only: target trajectories drawn as residual proposals (the
+    # drafter path's rule draws its max_tries proposals per judged token, vectorised, and counts none)
     draft_steps: int = 0  # generation steps drafted a round (0: plain sampling)
 
     @property
@@ -355,13 +357,15 @@ def _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, K, stats
     judged = is_draft & (k <= ks)
     # SYNC: statistics (one host transfer per round)
     counts = torch.stack([is_draft.sum(), judged.sum(), (judged & acc).sum(), (take_resid & ~acc).sum(),
-                          (take_resid & ~acc & fb).sum(), (active & (stop == k_b) & (n_pref > k_b)).sum()]).tolist()
+                          (take_resid & ~acc & fb).sum(), (active & (stop == k_b) & (n_pref > k_b)).sum(),
+                          take_bonus.sum()]).tolist()
     stats.drafted_tokens += counts[0]
     stats.judged_tokens += counts[1]
     stats.accepted_tokens += counts[2]
     stats.residual_tokens += counts[3]
     stats.fallbacks += counts[4]
     stats.bonus_steps += counts[5]
+    stats.bonus_tokens += counts[6]
     stats.rounds += 1
     stats.spec.drafted_nodes += counts[0]
     stats.spec.accepted_drafts += counts[2]

@@ -273,7 +273,7 @@ def sample_mar_self(
         stats.drafted_tokens += counts[0]
         stats.judged_tokens += counts[1]
         stats.accepted_tokens += counts[2]
-        stats.bonus_steps += counts[3]  # tokens sampled from fresh z (plain target samples)
+        stats.bonus_tokens += counts[3]  # tokens sampled from fresh z (plain target samples)
         stats.spec.drafted_nodes += counts[0]
         stats.spec.accepted_drafts += counts[2]
         stats.spec.row_steps += counts[4]

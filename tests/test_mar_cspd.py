@@ -67,6 +67,24 @@ def test_drafter_equal_to_target_accepts_everything_and_equals_plain():
     assert st.spec.draft_calls > 0 and st0.spec.draft_calls == 0
 
 
+def test_every_token_of_a_speculative_run_is_counted_once():
+    """Drafts accepted, residual samples and the target's own samples (bonus tokens) add up to the
+    tokens decoded; bonus_steps counts row steps, bonus_tokens tokens, in both drafting modes (the
+    self-drafting sampler counted tokens as bonus_steps)."""
+    from mmspec.pipelines.cspd_self import sample_mar_self
+
+    m, labels = tiny_mar(), torch.tensor([0, 3, 4, 1])
+    L = sample_mar(m, labels[:1], num_iter=2, generator=torch.Generator().manual_seed(0))[0].shape[1]
+    for drafter in (m, tiny_mar(seed=1)):
+        _, st = sample_mar(m, labels, num_iter=8, drafter=drafter, num_draft_steps=2, prefill_fraction=0.0,
+                           generator=torch.Generator().manual_seed(1))
+        assert st.accepted_tokens + st.residual_tokens + st.bonus_tokens == 4 * L, st
+        assert (st.bonus_tokens > 0) == (st.bonus_steps > 0) and st.bonus_steps <= st.rounds * 4
+    assert st.accepted_tokens == 0 < st.residual_tokens  # the second drafter is rejected: the count can fail
+    _, st = sample_mar_self(m, labels, num_iter=8, num_draft_steps=2, generator=torch.Generator().manual_seed(1))
+    assert st.accepted_tokens + st.residual_tokens + st.bonus_tokens == 4 * L and st.bonus_steps == 0, st
+
+
 def _shared_noise(n_rows, L, D, S, seed_traj, seed_final):
     """Same order / x_T / step noise in every row, own last-step noise per row: the rows are
     i.i.d. draws of the token map given one trajectory noise, so the last-step Gaussian and
