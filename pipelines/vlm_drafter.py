@@ -46,6 +46,9 @@ class DrafterComponent(ModelMixin, ConfigMixin):
             raise ValueError("tree_num_nodes='auto' chooses a tree's size: it needs tree_depth > 0")
         if tree_depth:
             TreeConfig(tree_depth, tree_top_k, tree_num_nodes)  # TypeError / ValueError naming a bad field
+        elif tree_top_k or tree_num_nodes:  # a chain drafter: they would be ignored
+            raise ValueError(f"tree_top_k={tree_top_k!r} / tree_num_nodes={tree_num_nodes!r} describe a tree, but "
+                             "tree_depth is 0 (a chain drafter); set tree_depth > 0 for a tree drafter, or leave them 0")
         if num_draft_tokens == "auto" and tree_depth:
             raise ValueError("num_draft_tokens='auto' is for chains; a tree drafter (tree_depth > 0) drafts tree_num_nodes")
         if num_draft_tokens != "auto" and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)

@@ -7,6 +7,7 @@ corrupt image file is reported in its item while the rest of the batch is answer
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from mmspec.drafters import EagleHead, EagleHeadConfig, ViSpecHead
 from mmspec.pipelines import DrafterComponent, SpeculativeVLMPipeline
 
 from _vlm_helpers import random_images, tiny_llava_parts
+
+BUNDLE = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
 
 PROMPTS = ["what colour is the circle ?", None, "describe the image", "what shape is left ?"]
 
@@ -295,6 +298,12 @@ def test_auto_tree_size_drafters_save_load_and_answer_like_plain(parts, tmp_path
     with pytest.raises(ValueError, match="exceeds"):
         DrafterComponent(kind="eagle", head_config=comp.config.head_config, tree_depth=2, tree_top_k=2,
                          tree_num_nodes=9)
+    for fields in (dict(tree_top_k=3), dict(tree_num_nodes=8)):  # a chain drafter ignored them
+        with pytest.raises(ValueError, match="tree_depth is 0"):
+            DrafterComponent(kind="eagle", head_config=comp.config.head_config, **fields)
+    for name in ("text", "eagle", "vispec"):  # the bundled drafters (chains, tree fields 0) still load
+        bundled = DrafterComponent.from_pretrained(BUNDLE / "drafters" / name)
+        assert bundled.tree is None and bundled.config.tree_top_k == bundled.config.tree_num_nodes == 0
 
 
 def test_load_and_save_options_are_honoured_or_refused(parts, tmp_path):
