@@ -124,7 +124,10 @@ def ref_schedule(steps: int):
     ab = lambda t: math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
     betas = np.array([min(1 - ab((i + 1) / 1000) / ab(i / 1000), 0.999) for i in range(1000)])
     frac = 999 / (steps - 1) if steps > 1 else 1
-    use = set(round(i * frac) for i in range(steps))
+    use, cur = set(), 0.0
+    for _ in range(steps):  # improved-diffusion's respace.py: the stride accumulated, then rounded
+        use.add(round(cur))
+        cur += frac
     last, new_b, tmap = 1.0, [], []
     for i, a in enumerate(np.cumprod(1 - betas)):
         if i in use:
@@ -171,7 +174,9 @@ def test_schedule_matches_reference_and_diffusers_betas():
     assert torch.allclose(cosine_betas(1000), d, rtol=1e-6, atol=1e-9)  # diffusers keeps float32
     with pytest.raises(ValueError, match="num_sampling_steps"):
         RespacedCosineSchedule(1)
-    for steps in (2, 6, 100):
+    # what improved-diffusion's respace.py keeps for 21 steps: 450 is followed by 499
+    assert RespacedCosineSchedule(21).timestep_map.tolist()[9:12] == [450, 499, 549]
+    for steps in (2, 6, 21, 23, 100):  # 21 / 23: the accumulated stride rounds otherwise than i * stride
         ref, s = ref_schedule(steps), RespacedCosineSchedule(steps)
         assert s.timestep_map.tolist() == ref["tmap"]
         for mine, theirs in ((s.betas, "betas"), (s.min_log, "plvc"), (s.coef1, "c1"), (s.coef2, "c2")):

@@ -48,11 +48,17 @@ def cosine_betas(num_timesteps: int = 1000, max_beta: float = 0.999) -> torch.Te
 
 def space_timesteps(num_timesteps: int, count: int) -> list[int]:
     """Evenly strided subset of `count` of `num_timesteps` steps (improved-diffusion's rule
-    for one section), ascending."""
+    for one section), ascending. The stride is *accumulated* as the official code does: for 278
+    counts (21, 23, 31, ...) the running sum rounds differently from `round(i * stride)` (21 steps
+    keep t=499, not 500), and the schedule would not be the official one."""
     if not 2 <= count <= num_timesteps:  # the official sampler has no variance for a single step
         raise ValueError(f"num_sampling_steps must be in [2, {num_timesteps}], got {count}")
     stride = (num_timesteps - 1) / (count - 1)
-    return sorted({round(i * stride) for i in range(count)})
+    taken, position = set(), 0.0
+    for _ in range(count):
+        taken.add(round(position))
+        position += stride
+    return sorted(taken)
 
 
 class RespacedCosineSchedule:
