@@ -152,6 +152,29 @@ def test_missing_unexpected_and_misshaped_keys_are_named(tmp_path):
         LlamaGenGPT.from_official(shaped, tiny_config())
 
 
+def test_checkpoints_saved_by_the_training_scripts_load(tmp_path):
+    """train_c2i.py / vq_train.py save {"model", "optimizer", "steps", "args": argparse.Namespace}
+    (+ "ema"): a weights-only load refused the Namespace, and such a file was "not a torch
+    checkpoint". Other Python objects stay refused, saying what to do."""
+    import argparse
+
+    from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig
+
+    model = tiny_model(seed=2)
+    args = argparse.Namespace(gpt_model="GPT-B", image_size=256, ema=True)
+    torch.save({"model": model.state_dict(), "optimizer": {"state": {}}, "steps": 10, "args": args,
+                "ema": tiny_model(seed=3).state_dict()}, tmp_path / "train.pt")
+    loaded = LlamaGenGPT.from_official(tmp_path / "train.pt", model.args)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    vq = LlamaGenVQ(VQConfig(codebook_size=16, ch=32, ch_mult=(1, 2), z_channels=32, num_res_blocks=1, image_size=16))
+    torch.save({"model": vq.state_dict(), "steps": 3, "args": args}, tmp_path / "vq.pt")
+    again = LlamaGenVQ.from_pretrained(tmp_path / "vq.pt")
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), vq.state_dict().values()))
+    torch.save({"model": model.state_dict(), "when": __import__("datetime").date(2024, 6, 1)}, tmp_path / "odd.pt")
+    with pytest.raises(ValueError, match="Python objects besides tensors.*weights_only=False"):
+        LlamaGenGPT.from_official(tmp_path / "odd.pt", model.args)
+
+
 def test_other_architecture_is_refused(tmp_path):
     from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig
 
@@ -166,8 +189,9 @@ def test_other_architecture_is_refused(tmp_path):
 
 
 def test_presets_have_official_sizes():
-    sizes = {"c2i_B_256": (768, 12, 12, 256), "c2i_L_384": (1024, 24, 16, 576), "c2i_X_384": (1280, 36, 20, 576),
-             "c2i_XXL_384": (1536, 48, 24, 576), "c2i_3B_384": (3200, 24, 32, 576)}
+    sizes = {"c2i_B_256": (768, 12, 12, 256), "c2i_B_384": (768, 12, 12, 576), "c2i_L_256": (1024, 24, 16, 256),
+             "c2i_L_384": (1024, 24, 16, 576), "c2i_XL_384": (1280, 36, 20, 576), "c2i_X_384": (1280, 36, 20, 576),
+             "c2i_XXL_384": (1536, 48, 24, 576), "c2i_3B_384": (3200, 24, 32, 576)}  # the official README's table
     for name, (dim, layers, heads, block) in sizes.items():
         c = preset_config(name)
         assert (c.dim, c.n_layer, c.n_head, c.block_size, c.vocab_size) == (dim, layers, heads, block, 16384)

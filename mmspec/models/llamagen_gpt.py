@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
-import struct
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -60,7 +58,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from mmspec.models.strict_load import strict_from_pretrained
+from mmspec.models.strict_load import strict_from_pretrained, torch_checkpoint
 from mmspec.sampling import draw
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
@@ -162,10 +160,14 @@ GPT_PRESETS: dict[str, dict] = {
     "GPT-XXXL": dict(n_layer=48, n_head=40, dim=2560),
     "GPT-3B": dict(n_layer=24, n_head=32, dim=3200),
 }
-# Released c2i checkpoints: (GPT size, image size); VQ-16 downsamples by 16, codebook 16384.
+# Released c2i checkpoints, named as their files: (GPT size, image size); VQ-16 downsamples by
+# 16, codebook 16384. The grid is not visible in the weights (a 384-px file loads under a 256-px
+# preset and generates the wrong grid), so every released file has its own preset. "c2i_X_384":
+# the official README's link text for c2i_XL_384.pt, kept as an alias.
 C2I_CHECKPOINTS: dict[str, tuple[str, int]] = {
-    "c2i_B_256": ("GPT-B", 256), "c2i_L_256": ("GPT-L", 256), "c2i_L_384": ("GPT-L", 384),
-    "c2i_X_384": ("GPT-XL", 384), "c2i_XXL_384": ("GPT-XXL", 384), "c2i_3B_384": ("GPT-3B", 384),
+    "c2i_B_256": ("GPT-B", 256), "c2i_B_384": ("GPT-B", 384), "c2i_L_256": ("GPT-L", 256),
+    "c2i_L_384": ("GPT-L", 384), "c2i_XL_384": ("GPT-XL", 384), "c2i_X_384": ("GPT-XL", 384),
+    "c2i_XXL_384": ("GPT-XXL", 384), "c2i_3B_384": ("GPT-3B", 384),
 }
 
 
@@ -471,10 +473,7 @@ def official_state_dict(checkpoint) -> dict[str, torch.Tensor]:
 
             obj = load_file(str(path))
         else:
-            try:
-                obj = torch.load(str(path), map_location="cpu", weights_only=True)
-            except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, struct.error) as err:
-                raise ValueError(f"{path}: not a torch checkpoint ({err})") from err
+            obj = torch_checkpoint(path)
     if isinstance(obj, dict):
         for key in ("model", "module", "ema", "state_dict"):
             if isinstance(obj.get(key), dict):

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
-import struct
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from mmspec.models.strict_load import torch_checkpoint
 
 _USAGE_WINDOW = 65536  # size of the official `codebook_used` rolling buffer
 _GROUPS = 32  # GroupNorm groups in the official Normalize()
@@ -395,10 +395,7 @@ def _official_state_dict(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError, struct.error) as err:
-        raise ValueError(f"{path}: not a torch checkpoint ({err})") from err
+    obj = torch_checkpoint(path)
     if isinstance(obj, dict):
         for key in ("model", "ema", "state_dict"):
             if isinstance(obj.get(key), dict):

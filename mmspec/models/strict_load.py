@@ -4,9 +4,35 @@ diffusers' `ModelMixin.from_pretrained` only logs "Some weights ... newly initia
 missing from a checkpoint (and, without accelerate, keeps their random initial values) and drops
 unexpected ones: a folder with a renamed or missing tensor loaded as a partly random model. Here
 any missing, unexpected or mismatched key is a ValueError naming the keys, as for the official
-checkpoints (`from_official`)."""
+checkpoints (`from_official`), which `torch_checkpoint` reads."""
 
 from __future__ import annotations
+
+import argparse
+import pickle
+import struct
+from pathlib import Path
+
+import torch
+
+
+def torch_checkpoint(path: Path):
+    """`torch.load` of an official `.pt` / `.pth` file in weights-only mode (no code from the file
+    runs), with `argparse.Namespace` allowed: LlamaGen's training scripts (train_c2i.py,
+    vq_train.py) save their `args` beside the weights, which a plain weights-only load refuses.
+    A file holding other Python objects is refused with what to do (ValueError)."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" not in str(err):
+            raise ValueError(f"{path}: not a torch checkpoint ({err})") from err
+        first = next((line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line), "")
+        raise ValueError(f"{path}: the checkpoint holds Python objects besides tensors, which mmspec does not unpickle "
+                         f"({first or 'weights-only load refused it'}); if you trust the file, load it with "
+                         "torch.load(path, weights_only=False) and pass the loaded dict (or its state dict)") from err
+    except (RuntimeError, OSError, EOFError, struct.error) as err:
+        raise ValueError(f"{path}: not a torch checkpoint ({err})") from err
 
 
 def strict_from_pretrained(load, name: str, path, *args, **kwargs):
