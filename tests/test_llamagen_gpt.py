@@ -155,7 +155,8 @@ def test_missing_unexpected_and_misshaped_keys_are_named(tmp_path):
 def test_checkpoints_saved_by_the_training_scripts_load(tmp_path):
     """train_c2i.py / vq_train.py save {"model", "optimizer", "steps", "args": argparse.Namespace}
     (+ "ema"): a weights-only load refused the Namespace, and such a file was "not a torch
-    checkpoint". Other Python objects stay refused, saying what to do."""
+    checkpoint". Other Python objects stay refused, saying what to do. DDP / torch.compile key
+    prefixes are stripped (they were refused)."""
     import argparse
 
     from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig
@@ -170,6 +171,13 @@ def test_checkpoints_saved_by_the_training_scripts_load(tmp_path):
     torch.save({"model": vq.state_dict(), "steps": 3, "args": args}, tmp_path / "vq.pt")
     again = LlamaGenVQ.from_pretrained(tmp_path / "vq.pt")
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), vq.state_dict().values()))
+    for prefix in ("module.", "_orig_mod.", "module._orig_mod."):  # DDP / torch.compile wrappers, stripped
+        torch.save({"model": {prefix + k: v for k, v in model.state_dict().items()}}, tmp_path / "wrapped.pt")
+        wrapped = LlamaGenGPT.from_official(tmp_path / "wrapped.pt", model.args)
+        assert all(torch.equal(a, b) for a, b in zip(wrapped.state_dict().values(), model.state_dict().values()))
+    torch.save({"module." + k: v for k, v in vq.state_dict().items()}, tmp_path / "vq_ddp.pt")
+    assert torch.equal(LlamaGenVQ.from_pretrained(tmp_path / "vq_ddp.pt").quantize.embedding.weight,
+                       vq.quantize.embedding.weight)
     torch.save({"model": model.state_dict(), "when": __import__("datetime").date(2024, 6, 1)}, tmp_path / "odd.pt")
     with pytest.raises(ValueError, match="Python objects besides tensors.*weights_only=False"):
         LlamaGenGPT.from_official(tmp_path / "odd.pt", model.args)

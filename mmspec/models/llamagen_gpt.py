@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 
-from mmspec.models.strict_load import strict_from_pretrained, torch_checkpoint
+from mmspec.models.strict_load import strict_from_pretrained, strip_wrapper_prefix, torch_checkpoint
 from mmspec.sampling import draw
 
 KVFn = Callable[[int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
@@ -482,6 +482,7 @@ def official_state_dict(checkpoint) -> dict[str, torch.Tensor]:
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
         raise ValueError("unknown checkpoint format: expected a state dict or "
                          "{'model' | 'module' | 'ema' | 'state_dict': state dict}")
+    obj = strip_wrapper_prefix(obj)
     if "tok_embeddings.weight" not in obj or "cls_embedding.embedding_table.weight" not in obj:
         raise ValueError("not a LlamaGen c2i GPT checkpoint: it lacks tok_embeddings.weight / "
                          f"cls_embedding.embedding_table.weight (first keys: {sorted(obj)[:6]})")

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mmspec.models.strict_load import torch_checkpoint
+from mmspec.models.strict_load import strip_wrapper_prefix, torch_checkpoint
 
 _USAGE_WINDOW = 65536  # size of the official `codebook_used` rolling buffer
 _GROUPS = 32  # GroupNorm groups in the official Normalize()
@@ -394,7 +394,7 @@ def _official_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        return strip_wrapper_prefix(load_file(str(path)))
     obj = torch_checkpoint(path)
     if isinstance(obj, dict):
         for key in ("model", "ema", "state_dict"):
@@ -404,7 +404,7 @@ def _official_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
         raise ValueError(f"{path}: unknown checkpoint format; expected a state dict or "
                          "{'model' | 'ema' | 'state_dict': state dict}")
-    return obj
+    return strip_wrapper_prefix(obj)
 
 
 def infer_config(state: dict[str, torch.Tensor]) -> VQConfig:

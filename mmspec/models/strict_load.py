@@ -52,3 +52,16 @@ def strict_from_pretrained(load, name: str, path, *args, **kwargs):
         raise ValueError(f"{name}: the checkpoint in {str(path)!r} does not match the model ({listed}); "
                          "it is another architecture or an edited file, and would load partly random")
     return (model, info) if wants_info else model
+
+
+def strip_wrapper_prefix(state: dict) -> dict:
+    """A state dict saved from a wrapped model (DDP's `module.`, torch.compile's `_orig_mod.`, in
+    any nesting) with the prefix removed, when every key carries it; otherwise unchanged."""
+    changed = True
+    while changed and state:
+        changed = False
+        for prefix in ("module.", "_orig_mod."):
+            if all(isinstance(k, str) and k.startswith(prefix) for k in state):
+                state = {k[len(prefix):]: v for k, v in state.items()}
+                changed = True
+    return state
