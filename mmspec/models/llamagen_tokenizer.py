@@ -408,7 +408,9 @@ def _official_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def infer_config(state: dict[str, torch.Tensor]) -> VQConfig:
-    """Reads the architecture off an official state dict's tensor shapes."""
+    """Reads the architecture off an official state dict's tensor shapes. Not visible in them:
+    `codebook_l2_norm`, taken as True (the official vq_train.py always L2-normalises; a file
+    trained without it needs its VQConfig given explicitly)."""
     need = ["quantize.embedding.weight", "encoder.conv_in.weight", "encoder.conv_out.weight"]
     absent = [k for k in need if k not in state]
     if absent:
