@@ -149,8 +149,20 @@ def test_refused_model_families():
     mamba = MambaForCausalLM(MambaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, state_size=4))
     headless = LlamaModel(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4))
+    from transformers import (BertConfig, BertForMaskedLM, MarianConfig, MarianForCausalLM, T5Config,
+                              T5ForConditionalGeneration)
+
+    # Marian (like Bart / Pegasus / Blenderbot ForCausalLM) numbers positions from its cache length:
+    # trees and padded rows decoded with wrong positions (greedy output differed from generate)
+    marian = MarianForCausalLM(MarianConfig(vocab_size=40, d_model=32, decoder_layers=1, encoder_layers=1,
+                                            decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64,
+                                            encoder_ffn_dim=64, pad_token_id=0, decoder_start_token_id=1))
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    bert = BertForMaskedLM(BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      intermediate_size=64))
     ids = torch.tensor([[3, 4, 5]])
-    for model, match in [(bloom, "ALiBi"), (mamba, "state"), (headless, "LM head")]:
+    for model, match in [(bloom, "ALiBi"), (mamba, "state"), (headless, "LM head"), (marian, "takes no position_ids"),
+                         (t5, "encoder-decoder"), (bert, "not a generative model")]:
         with pytest.raises(ValueError, match=match):
             mmspec.speculative_generate(model, ModelDrafter(model, 2) if match != "LM head" else None, ids)
         with pytest.raises(ValueError, match=match):

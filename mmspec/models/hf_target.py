@@ -60,6 +60,18 @@ def check_supported(model) -> None:
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); load it with a *ForCausalLM / "
                          "*ForConditionalGeneration class")
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} ({model_type}) is an encoder-decoder model; mmspec decodes decoder-only causal LMs "
+                         "and VLMs (load a *ForCausalLM, or use transformers' own generate for seq2seq)")
+    if callable(getattr(model, "can_generate", None)) and not model.can_generate():
+        raise ValueError(f"{name} is not a generative model (transformers' can_generate() is False: e.g. a masked or "
+                         "classification LM); load a *ForCausalLM / *ForConditionalGeneration class")
+    if "position_ids" not in params:
+        # BART-family decoders (Bart/Marian/Pegasus/Blenderbot ForCausalLM, ...) number positions
+        # from the cache length: a tree node or a shorter padded row would get the wrong position.
+        raise ValueError(f"{name} ({model_type}) takes no position_ids (it numbers positions from its cache length), so "
+                         "the per-row positions of padded batches and draft trees cannot reach it; such models are "
+                         "not supported (use a model whose forward takes position_ids, e.g. Llama, Qwen2, GPT-2)")
 
 
 _PIXEL_INPUTS = {"image": "pixel_values", "video": "pixel_values_videos"}
