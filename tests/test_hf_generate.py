@@ -182,3 +182,34 @@ def test_custom_generate_return_dict_and_num_return_sequences(target, good_draft
     spec, args = _gen(target, good_drafter, do_sample=True, top_k=1, num_return_sequences=2)
     ref = target.generate(**args)
     assert spec.shape == ref.shape == (6, 7 + 12) and torch.equal(spec, ref)
+
+
+def test_options_generate_keeps_from_the_callable_are_refused(target, good_drafter):
+    """transformers does not pass streamer / assistant_model / synced_gpus to a callable
+    custom_generate: a streamer got the prompt alone and never end() (a TextIteratorStreamer
+    consumer hung), an assistant model was ignored. Refused by name, read off the calling generate."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kw = dict(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    plain = Recorder()
+    target.generate(**kw, streamer=plain)
+    assert plain.ended and len(plain.puts) == 7  # the reference: the prompt, then each new token
+    spec = dict(custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
+    with pytest.raises(ValueError, match="streamer is not supported"):
+        target.generate(**kw, streamer=Recorder(), **spec)
+    with pytest.raises(ValueError, match="assistant_model= is transformers' own assisted generation"):
+        target.generate(**kw, assistant_model=good_drafter, **spec)
+    with pytest.raises(ValueError, match="synced_gpus=True is not supported"):
+        target.generate(**kw, synced_gpus=True, **spec)
+    assert torch.equal(target.generate(**kw, **spec), target.generate(**kw))  # without them it runs

@@ -25,12 +25,15 @@ other decoding modes (`num_beams > 1`, `penalty_alpha`, `dola_layers`, prompt lo
 stop strings, ...: they would change the target distribution in a way the acceptance
 rule must see per draft position), warpers with a non-default `filter_value` /
 `min_tokens_to_keep`, warpers under greedy decoding, `output_scores` / `output_logits` /
-`output_attentions` / `output_hidden_states` with `return_dict_in_generate`, `streamer`
-and `inputs_embeds`; images on Qwen2-VL / Qwen2.5-VL (generate drops `image_grid_thw` with the
+`output_attentions` / `output_hidden_states` with `return_dict_in_generate`, `streamer`,
+`assistant_model`, `synced_gpus` (transformers does not hand these three to the callable; they
+are read off the calling `generate`) and `inputs_embeds`; images on Qwen2-VL / Qwen2.5-VL (generate drops `image_grid_thw` with the
 pixels, and mmspec's M-RoPE positions need it: call `mmspec.speculative_generate` there).
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -163,6 +166,21 @@ def _cached_length(cache) -> int:
         return 0
 
 
+def _dropped_generate_options() -> dict:
+    """`streamer`, `assistant_model` and `synced_gpus` as given to the `generate` that called us.
+    transformers 5 does not pass them to a callable `custom_generate` (it keeps only the callable's
+    own extra keywords), so a streamer silently received the prompt alone and never `end()` (a
+    TextIteratorStreamer consumer hung) and an assistant model was ignored. Read off the calling
+    frame, found by name; empty when there is none (called directly, or another transformers)."""
+    frame = sys._getframe(2)  # speculative_decoding's caller
+    while frame is not None and frame.f_code.co_name != "generate":
+        frame = frame.f_back if frame.f_code.co_name in ("decorate_context", "_wrapper") else None
+    if frame is None:
+        return {}
+    seen = frame.f_locals
+    return {k: seen.get(k) for k in ("streamer", "assistant_model", "synced_gpus") if seen.get(k)}
+
+
 def speculative_decoding(
     model,
     input_ids: torch.LongTensor,
@@ -181,6 +199,12 @@ def speculative_decoding(
     the `SpecStats` as a second element when `return_stats=True`)."""
     if drafter is None:
         raise ValueError("drafter is required: pass drafter=mmspec.drafters.ModelDrafter(small_model) to generate()")
+    dropped = _dropped_generate_options()
+    streamer = streamer if streamer is not None else dropped.get("streamer")
+    synced_gpus = synced_gpus or bool(dropped.get("synced_gpus"))
+    if dropped.get("assistant_model") is not None:
+        raise ValueError("assistant_model= is transformers' own assisted generation; with custom_generate=speculative_"
+                         "decoding pass the small model as drafter=mmspec.drafters.ModelDrafter(small_model) instead")
     if streamer is not None:
         raise ValueError("streamer is not supported by the speculative loop; call generate without streamer=")
     if model_kwargs.get("inputs_embeds") is not None:
