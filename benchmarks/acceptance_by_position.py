@@ -34,7 +34,8 @@ for K in (1, 2, 3, 4, 6):
         s = mmspec.speculative_generate(t, d, ids, mask, temperature=0, max_new_tokens=48, pad_token_id=0).stats
         total.row_steps += s.row_steps
         total.emitted_tokens += s.emitted_tokens
-        counts = s.accept_counts + [0] * (K - len(s.accept_counts))  # [i]: row-steps with >= i+1 accepted
-        total.accept_counts = [a + b for a, b in zip(total.accept_counts or [0] * K, counts)]
+        for name in ("accept_counts", "offer_counts"):  # [i]: row-steps per position
+            counts = getattr(s, name) + [0] * (K - len(getattr(s, name)))
+            setattr(total, name, [a + b for a, b in zip(getattr(total, name) or [0] * K, counts)])
     rates = [round(r, 3) for r in total.acceptance_rate_per_position]
     print(f"K={K}: conditional acceptance by position {rates}, tokens a step {total.mean_accepted_length:.3f}")

@@ -76,4 +76,5 @@ def grow_tree(root_logits: torch.Tensor, cfg: TreeConfig, expand: Callable, num_
     inverse[rows, keep] = torch.arange(n, device=device).expand(B, n)
     kept = parents.gather(1, keep)
     new_parents = torch.where(kept >= 0, inverse.gather(1, kept.clamp_min(0)), kept)
-    return Draft(tokens=tokens.gather(1, keep), parents=new_parents, draft_probs=None, is_chain=False)
+    return Draft(tokens=tokens.gather(1, keep), parents=new_parents, draft_probs=None, is_chain=False,
+                 depth=min(cfg.depth, n))

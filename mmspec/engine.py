@@ -405,7 +405,8 @@ class _Loop:
         t2 = self.timer.mark()
         h2 = time.perf_counter()
         self.drafter.commit(info, tout)
-        self.stats.record_step(n_host, draft.num_nodes, count_host)
+        self.stats.record_step(n_host, draft.num_nodes, count_host,
+                               draft.num_nodes if draft.is_chain or draft.depth is None else draft.depth)
         self.roots = info.next_tokens
         if len(keep) < len(n_host):
             self._drop(emitter, keep)

@@ -87,6 +87,7 @@ class Draft:
     parents: torch.Tensor  # [B, N] long, -1 = root
     draft_probs: torch.Tensor | None = None  # [B, N, V] float, chains only
     is_chain: bool = True
+    depth: int | None = None  # trees: the deepest level drafted, at most (stats' positions offered)
 
     @property
     def num_nodes(self) -> int:

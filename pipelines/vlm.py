@@ -83,7 +83,7 @@ def merge_stats(parts: list[SpecStats]) -> SpecStats:
             if isinstance(a, bool):
                 setattr(out, f.name, a and b)
             elif isinstance(a, list):
-                if f.name == "accept_counts":
+                if f.name in ("accept_counts", "offer_counts"):
                     n = max(len(a), len(b))
                     setattr(out, f.name, [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)])
                 else:

@@ -4,6 +4,8 @@ Each test fails on the core before the forward-spec rewrite (9945993)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -140,6 +142,48 @@ def test_cache_grows_in_chunks_and_stays_exact(target):
     out = mmspec.speculative_generate(target, ModelDrafter(target, 3), ids, mask, temperature=0, max_new_tokens=150)
     assert torch.equal(out.sequences[:, ids.shape[1]:], ref)  # crossed ragged.GROWTH_CHUNK twice
     assert 150 > 2 * ragged.GROWTH_CHUNK
+
+
+def test_per_position_acceptance_counts_only_positions_proposed(target):
+    """Steps that drafted fewer positions (K = 0 under "auto", a shorter K) counted their missing
+    positions as rejections: a drafter whose every draft was accepted reported [0.56, 1, 1, 1]."""
+
+    class Alternate:  # the adaptive hook, forced: K = 4, 0, 4, 0, ...
+        def __init__(self):
+            self.calls = 0
+
+        def choose(self, rows, remaining):
+            self.calls += 1
+            return 4 if self.calls % 2 else 0
+
+        def observe(self, *args, **kwargs):
+            pass
+
+        def skip_draft_cost_once(self):
+            pass
+
+    ids, mask = left_padded([9, 5, 7, 3])
+    drafter = ModelDrafter(target)  # the target drafts for itself: every draft is accepted
+    drafter.controller = Alternate()
+    s = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=30).stats
+    assert 0 in s.nodes_per_step and 4 in s.nodes_per_step and s.verified_accepted == s.drafted_nodes
+    assert s.acceptance_rate_per_position == [1.0] * 4 and s.acceptance_cumulative == [1.0] * 4
+    assert s.offer_counts[0] < s.row_steps  # the K = 0 row-steps offered nothing
+    # against an independent count from a weaker drafter: accepted / judged at each position
+    weak = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in weak.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    s = mmspec.speculative_generate(target, ModelDrafter(weak, 3), ids, mask, temperature=0, max_new_tokens=30).stats
+    rates = s.acceptance_rate_per_position
+    accepted = s.accept_counts + [0] * (len(s.offer_counts) - len(s.accept_counts))
+    assert 0 < rates[0] < 1 and rates == [accepted[i] / s.offer_counts[i] for i in range(len(rates))]
+    assert s.offer_counts[0] == s.row_steps and all(a >= b for a, b in zip(s.offer_counts, s.offer_counts[1:]))
+    full = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=10)  # every candidate kept: the best paths reach depth 3
+    tree = mmspec.speculative_generate(target, ModelDrafter(target, tree=full), ids, mask, temperature=0,
+                                       max_new_tokens=30).stats
+    rates = tree.acceptance_rate_per_position  # the path of the target's own greedy tokens: accepted wherever
+    assert rates[:2] == [1.0, 1.0] and 0.9 < rates[2] <= 1.0  # drafted (EAGLE-2 expands a level's best 2 only)
 
 
 def test_refused_model_families():
