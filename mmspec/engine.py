@@ -28,7 +28,7 @@ import torch
 
 from mmspec.adaptive import DraftLengthController
 from mmspec.protocols import check_drafter, check_rule, check_target, is_target
-from mmspec.sampling import SamplingConfig, check_generator, probs_finite, process_logits
+from mmspec.sampling import SamplingConfig, check_generator, plain_number, probs_finite, process_logits
 from mmspec.stats import SpecStats
 from mmspec.timing import PhaseTimer
 from mmspec.position_noise import PositionNoise
@@ -58,10 +58,11 @@ def as_target(target):
 def _eos_list(eos_token_id) -> list[int]:
     if eos_token_id is None:
         return []
+    eos_token_id = plain_number(eos_token_id)
     ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
     if isinstance(ids, torch.Tensor):
         ids = ids.flatten().tolist()
-    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    ids = [plain_number(i) for i in ids] if isinstance(ids, (list, tuple)) else [ids]
     if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"eos_token_id must be None, an int >= 0 or a non-empty list of them, got {eos_token_id!r}")
     return ids
@@ -251,7 +252,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     **model_inputs,
 ) -> SpecOutput:
-    """Generate with speculative decoding (docs/architecture.md, "Public API").
+    """Generate with speculative decoding (README.md, "Quickstart"; docs/architecture.md).
 
     `input_ids` [B, L] are left-padded like transformers' batched generation;
     `sequences[:, L:]` are the new tokens. `temperature=0` is greedy. `acceptance` is a rule
@@ -259,7 +260,9 @@ def speculative_generate(
     codebook) or a rule object. `model_inputs` (pixel_values, image_grid_thw, ...) go to the
     target's prefill; the target refuses any it does not use. `eos_token_id=None` stops rows only
     at `max_new_tokens` (unlike transformers' `generate`, the model's generation config is not
-    read): pass the tokenizer's EOS id(s) to end rows there."""
+    read): pass the tokenizer's EOS id(s) to end rows there. Finished rows are padded with
+    `pad_token_id`, by default the first EOS id (0 without one)."""
+    max_new_tokens, pad_token_id = plain_number(max_new_tokens), plain_number(pad_token_id)
     sampling = SamplingConfig(temperature, top_k, top_p)
     check_generator(generator)
     attention_mask = _check_inputs(input_ids, attention_mask, max_new_tokens)

@@ -93,11 +93,22 @@ def test_prefix_lm_token_type_ids_are_honoured():
 
 @pytest.mark.parametrize("bad", [{"do_sample": False}, {"temprature": 0}, {"max_length": 10},
                                  {"pixel_values": torch.zeros(1, 3, 8, 8)}, {"past_key_values": None},
-                                 {"cache": None}])
+                                 {"cache": None}, {"labels": torch.zeros(2, 5, dtype=torch.long)}])
 def test_unknown_or_reserved_keyword_arguments_are_refused(target, weak_drafter, bad):
     ids, mask = left_padded([4, 3])
     with pytest.raises(ValueError, match=next(iter(bad))):
         mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 2), ids, mask, max_new_tokens=4, **bad)
+
+
+def test_numpy_integers_are_taken_as_the_ints_they_hold(target, weak_drafter):
+    import numpy as np
+
+    ids, mask = left_padded([5, 3])
+    kw = dict(temperature=0, max_new_tokens=6, eos_token_id=7, pad_token_id=0)
+    ref = mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 2), ids, mask, **kw).sequences
+    out = mmspec.speculative_generate(target, ModelDrafter(weak_drafter, 2), ids, mask, temperature=0,
+                                      max_new_tokens=np.int64(6), eos_token_id=[np.int32(7)], pad_token_id=np.int64(0))
+    assert torch.equal(out.sequences, ref)
 
 
 def test_stats_count_only_emitted_tokens(target):

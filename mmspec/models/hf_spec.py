@@ -151,6 +151,9 @@ class HFSpec(ForwardSpec):
         reserved = sorted(set(model_inputs) & _RESERVED)
         if reserved:
             raise ValueError(f"model inputs {reserved} are managed by mmspec's loop; do not pass them")
+        if "labels" in model_inputs:  # the forward would compute a training loss (and fail on the shapes)
+            raise ValueError("labels= is a training input (the model computes a loss from it); generation takes none: "
+                             "drop labels")
         unknown = sorted(k for k in model_inputs if k not in self.forward_params)
         if unknown:
             raise ValueError(
