@@ -14,7 +14,8 @@ LR_SCHEDULES = ("constant", "cosine")
 
 def lr_at(config: "TrainDrafterConfig", step: int) -> float:
     """Learning rate of 0-based optimiser step `step`: a linear warm-up over `warmup_steps`, then
-    `lr` held ("constant") or decayed along a half cosine to 0 at `steps` ("cosine")."""
+    `lr` held ("constant") or decayed along a half cosine toward 0, reached at `steps` ("cosine": the
+    last step, `steps - 1`, still trains at a small positive rate)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / (config.warmup_steps + 1)
     if config.lr_schedule == "constant":
@@ -30,19 +31,21 @@ HELP = {
     "drafter": f"drafter kind: one of {', '.join(KINDS)}",
     "out": "folder for the trained drafter (config + safetensors), its checkpoint and train_log.jsonl",
     "data": "folder of images (+ optional scenes.jsonl) to regenerate answers on; default: testbed scenes",
-    "num_images": "images whose answers the target regenerates as training data (default %(default)s)",
+    "num_images": "images whose answers the target regenerates as training data (with --data: at most that many of "
+                  "the folder's images) (default %(default)s)",
     "answer_tokens": "max new tokens of each regenerated answer (default %(default)s)",
     "steps": "optimiser steps (default %(default)s); a run in --out resumes from its checkpoint",
-    "batch_size": "examples per step (default %(default)s)",
+    "batch_size": "examples per step, at most the number of examples (default %(default)s)",
     "grad_accum": "gradient-accumulation micro-batches per step (default %(default)s)",
     "lr": "peak learning rate of AdamW (default %(default)s)",
-    "lr_schedule": "constant, or cosine (a half cosine to 0 at the last step) (default %(default)s)",
+    "lr_schedule": "constant, or cosine (a half cosine toward 0, reached at --steps) (default %(default)s)",
     "warmup_steps": "linear warm-up steps before the schedule (default %(default)s)",
     "ttt_steps": "extra unrolled forwards on the head's own features, training-time test (default %(default)s)",
     "feature_weight": "eagle / vispec: weight of the SmoothL1 loss on the target's features (default %(default)s)",
     "ce_weight": "eagle / vispec: weight of the cross-entropy against the target's tokens (default %(default)s; a text drafter trains on the cross-entropy alone)",
     "text_layers": "decoder layers of the text drafter's small LM (default %(default)s)",
-    "num_draft_tokens": "chain length K saved with the drafter (default %(default)s)",
+    "num_draft_tokens": "chain length K saved with the drafter, or auto (chosen per request by measured speed) "
+                        "(default %(default)s)",
     "tree_depth": "> 0: save the drafter with a dynamic tree of this depth (default %(default)s: chains)",
     "tree_top_k": "tree: children kept per node (default %(default)s)",
     "tree_num_nodes": "tree: nodes verified per step, or auto (chosen per request by measured speed) (default %(default)s)",
@@ -71,7 +74,7 @@ class TrainDrafterConfig:
     feature_weight: float = 1.0
     ce_weight: float = 0.1
     text_layers: int = 1  # text drafter: decoder layers of the small LM
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | str = 4  # or "auto"
     tree_depth: int = 0  # > 0: save the drafter with a dynamic tree of this depth
     tree_top_k: int = 4
     tree_num_nodes: int | str = 16  # or "auto"

@@ -114,25 +114,56 @@ def regenerate(pipe, items, config: TrainDrafterConfig) -> list[dict]:
     return examples
 
 
-def data_key(config: TrainDrafterConfig, image_size: int = 64) -> dict:
+def target_identity(model) -> str:
+    """A fingerprint of the target whose answers and features a drafter learns: its class, its
+    config and a strided sample of every weight (another checkpoint, a fine-tune or another
+    precision gives another one; cheap at any size)."""
+    import hashlib
+
+    h = hashlib.sha1(type(model).__name__.encode())
+    h.update(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            h.update(name.encode())
+            h.update(flat[:: max(1, flat.numel() // 256)][:256].double().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def data_key(config: TrainDrafterConfig, image_size: int = 64, target: str | None = None) -> dict:
     """The settings that decide which answers `data.pt` holds (a resume must not reuse other ones);
-    ``image_size``: the size the world's scenes were rendered at (when ``config.data`` is None)."""
+    ``image_size``: the size the world's scenes were rendered at (when ``config.data`` is None);
+    ``target``: `target_identity` of the model that answered."""
     key = {"data": None if config.data is None else str(config.data), "num_images": config.num_images,
-           "answer_tokens": config.answer_tokens, "seed": config.seed}
+           "answer_tokens": config.answer_tokens, "seed": config.seed, "target": target}
     if config.data is None:
         key["image_size"] = image_size
     return key
 
 
-def load_data(path: Path, config: TrainDrafterConfig, image_size: int = 64) -> list[dict]:
-    """`data.pt`'s examples; ValueError when they were regenerated for other settings."""
+def load_data(path: Path, config: TrainDrafterConfig, image_size: int = 64, target: str | None = None) -> list[dict]:
+    """`data.pt`'s examples; ValueError when they were regenerated for other settings or by
+    another target."""
     saved = torch.load(path, weights_only=False)
     key = saved.get("key") if isinstance(saved, dict) else None
-    want = data_key(config, image_size)
+    want = data_key(config, image_size, target)
     if key != want:
-        raise ValueError(f"{path} holds the target's answers for {key or 'unrecorded settings'}, not for "
-                         f"{want}; delete it (or use another --out) to regenerate them")
+        raise ValueError(key_mismatch(path, "holds the answers of another run", key, want))
     return saved["examples"]
+
+
+def key_mismatch(path: Path, what: str, saved, want: dict) -> str:
+    """The message for a data key that differs: which fields, saved and now, and what to do."""
+    differ = sorted(k for k in want if not isinstance(saved, dict) or saved.get(k) != want[k])
+    was = {k: saved.get(k) for k in differ} if isinstance(saved, dict) else "unrecorded settings"
+    return (f"{path} {what} ({differ} differ: saved {was}, this run {dict((k, want[k]) for k in differ)}); delete "
+            f"data.pt and checkpoint.pt in {path.parent} (or use another --out) to regenerate the answers and train "
+            "afresh")
+
+
+# Settings a resumed run must share with the checkpoint it continues (they define what each
+# step trains); steps (a constant schedule), save_every, the saved drafter's shape, ... may change.
+RUN_FIELDS = ("batch_size", "grad_accum", "ttt_steps", "feature_weight", "ce_weight", "text_layers")
 
 
 def collate(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -149,7 +180,18 @@ def collate(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tens
                 row[0, L - n:L - n + v.shape[1]] = v[0]
                 v = row
             inputs.setdefault(k, []).append(v)
-    return ids, mask, {k: torch.cat(v) for k, v in inputs.items()}
+    return ids, mask, {k: _cat_padded(v) for k, v in inputs.items()}
+
+
+def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0; LLaVA-NeXT's pixel_values [1, tiles, 3, H, W] differ in their tile
+    count per image and are zero-padded to the most tiles, as its processor pads a batch (the
+    model reads each image's tiles from its image_sizes)."""
+    if len({p.shape[1:] for p in parts}) > 1 and len({p.dim() for p in parts}) == 1 and parts[0].dim() >= 3 and len(
+            {p.shape[2:] for p in parts}) == 1:
+        most = max(p.shape[1] for p in parts)
+        parts = [torch.cat([p, p.new_zeros(p.shape[0], most - p.shape[1], *p.shape[2:])], 1) for p in parts]
+    return torch.cat(parts)
 
 
 # ---- teacher ------------------------------------------------------------------------------------------
@@ -222,6 +264,18 @@ def text_loss(lm, ids, mask, logits, image_token):
 
 
 # ---- the drafter being trained --------------------------------------------------------------------------
+def check_text_drafter(target) -> None:
+    """A text drafter is a small causal LM built from the target's text config; refuse a target
+    whose text config transformers has no causal-LM class for (Qwen2-VL's), by name."""
+    from transformers import AutoModelForCausalLM
+
+    text = target.config.get_text_config()
+    if type(text) not in AutoModelForCausalLM._model_mapping:
+        raise ValueError(f"--drafter text builds a small causal LM from the target's text config, and transformers has "
+                         f"no causal-LM class for {type(text).__name__} ({getattr(text, 'model_type', '?')}); train an "
+                         "eagle or vispec drafter for this target")
+
+
 def new_drafter(pipe, config: TrainDrafterConfig):
     from mmspec.drafters import EagleHeadConfig
     from mmspec.drafters.eagle_head import head_class
@@ -283,21 +337,27 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if pipe is None:
         pipe = SpeculativeVLMPipeline.from_pretrained(config.pipeline, dtype=torch.float32)
-    pipe.target.to(config.device).requires_grad_(False)
+    pipe.target.to(config.device).requires_grad_(False).eval()  # the teacher runs without dropout
+    if config.drafter == "text":
+        check_text_drafter(pipe.target)  # before minutes of regenerated answers
+    identity = target_identity(pipe.target)
     data_path = out / "data.pt"
     size = world_image_size(pipe)
+    key = data_key(config, size, identity)
+    ckpt_path, log_path = out / "checkpoint.pt", out / "train_log.jsonl"
+    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
+    if ckpt is not None and ckpt.get("data_key") != key:  # checked before minutes of regenerated answers
+        raise ValueError(key_mismatch(ckpt_path, "was trained on the answers of another run", ckpt.get("data_key"), key))
     if data_path.is_file():
-        examples = load_data(data_path, config, size)
+        examples = load_data(data_path, config, size, identity)
     else:
         examples = regenerate(pipe, data_items(config, size), config)
-        torch.save({"key": data_key(config, size), "examples": examples}, data_path)
+        torch.save({"key": key, "examples": examples}, data_path)
     drafter = new_drafter(pipe, config).to(config.device).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    ckpt_path, log_path = out / "checkpoint.pt", out / "train_log.jsonl"
     start, rng = 0, random.Random(config.seed)
-    if ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+    if ckpt is not None:
         if ckpt["config"]["drafter"] != config.drafter:
             raise ValueError(f"{ckpt_path} holds a {ckpt['config']['drafter']!r} drafter, not {config.drafter!r}; "
                              "use another --out")
@@ -306,7 +366,8 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
         saved = {**asdict(TrainDrafterConfig(pipeline="-", drafter=config.drafter, out="-")), **ckpt["config"]}
         schedule = ("lr_schedule",) + (("lr", "warmup_steps", "steps") if config.lr_schedule == "cosine" else ())
         changed = {k: saved[k] for k in schedule if saved[k] != getattr(config, k)}
-        if changed:  # a resumed run must follow the schedule of the run it continues
+        changed.update({k: saved[k] for k in RUN_FIELDS if saved[k] != getattr(config, k)})
+        if changed:  # a resumed run must follow the schedule and the steps of the run it continues
             raise ValueError(f"{ckpt_path} was trained with {changed} (this run: "
                              f"{ {k: getattr(config, k) for k in changed} }); resume with those settings or use another --out")
         drafter.load_state_dict(ckpt["model"])
@@ -337,7 +398,8 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
             f.write(json.dumps({"step": step + 1, "loss": parts_mean[0], "unrolled": parts_mean[1:]}) + "\n")
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
             torch.save({"step": step + 1, "model": drafter.state_dict(), "optim": optim.state_dict(),
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "config": asdict(config)},
+                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "config": asdict(config),
+                        "data_key": key},
                        ckpt_path)
     drafter.eval()
     component(drafter.cpu(), config).save_pretrained(str(out))

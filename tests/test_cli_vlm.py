@@ -120,5 +120,5 @@ def test_train_drafter_help_describes_every_option(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for name in names:
         assert "--" + name.replace("_", "-") in text
-    assert "(a half cosine to 0 at the last step) (default constant)" in text
-    assert "examples per step (default 8)" in text
+    assert "(a half cosine toward 0, reached at --steps) (default constant)" in text
+    assert "examples per step, at most the number of examples (default 8)" in text

@@ -71,11 +71,59 @@ def test_train_checkpoint_resume_and_load(setup, tmp_path):
     assert spec.texts == plain.texts and spec.stats.drafted_nodes > 0
     with pytest.raises(ValueError, match="holds a 'eagle' drafter"):
         train_drafter(TrainDrafterConfig(out=str(tmp_path / "b"), steps=5, **{**common, "drafter": "vispec"}), pipe=pipe)
-    with pytest.raises(ValueError, match="holds the target's answers for .*'answer_tokens': 6"):
+    with pytest.raises(ValueError, match=r"of another run \(\['answer_tokens'\] differ: saved \{'answer_tokens': 6\}"):
         train_drafter(TrainDrafterConfig(out=str(tmp_path / "b"), steps=5, **{**common, "answer_tokens": 5}), pipe=pipe)
     with pytest.raises(ValueError, match="--drafter must be one of"):
         TrainDrafterConfig(pipeline="-", drafter="medusa", out="x")
 
+
+
+def test_a_resume_never_mixes_targets_answers_or_training_settings(setup, tmp_path):
+    """An --out folder written for one target was resumed for another (its answers and head reused,
+    silently); deleting data.pt as advised then resumed the old checkpoint on the new answers; a
+    changed ttt_steps / ce_weight / batch size was taken without a word (text_layers: a raw
+    RuntimeError). Each is refused by name."""
+    import copy
+
+    pipe, folder = setup
+    common = dict(pipeline="-", drafter="eagle", data=str(folder), answer_tokens=6, batch_size=2, lr=1e-3,
+                  save_every=1, progress=False)
+    out = str(tmp_path / "r")
+    train_drafter(TrainDrafterConfig(out=out, steps=1, **common), pipe=pipe)
+    other = copy.deepcopy(pipe)
+    with torch.no_grad():
+        other.target.get_output_embeddings().weight.mul_(1.5)  # a fine-tune of the same architecture
+    with pytest.raises(ValueError, match=r"\['target'\] differ.*delete data.pt and checkpoint.pt"):
+        train_drafter(TrainDrafterConfig(out=out, steps=2, **common), pipe=other)
+    for change in (dict(ttt_steps=2), dict(ce_weight=0.5), dict(batch_size=3)):
+        with pytest.raises(ValueError, match=r"was trained with \{'%s': .*this run: \{'%s'" % (*change, *change)):
+            train_drafter(TrainDrafterConfig(out=out, steps=2, **{**common, **change}), pipe=pipe)
+    (tmp_path / "r" / "data.pt").unlink()  # answers to be regenerated for other settings: the old head would not fit
+    with pytest.raises(ValueError, match=r"checkpoint.pt was trained on the answers of another run \(\['answer_tokens'\]"):
+        train_drafter(TrainDrafterConfig(out=out, steps=2, **{**common, "answer_tokens": 5}), pipe=pipe)
+    assert not (tmp_path / "r" / "data.pt").exists()  # refused before regenerating them
+    assert len(train_drafter(TrainDrafterConfig(out=out, steps=2, **{**common, "answer_tokens": 6}),
+                             pipe=pipe)["losses"]) == 1  # the same settings again: resumed (1 more step)
+
+
+def test_llava_next_tiles_collate_and_text_drafters_need_a_causal_lm_class():
+    from types import SimpleNamespace
+
+    from conftest import tiny_qwen2vl_config
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from mmspec.pipelines.train_drafter import check_text_drafter
+
+    examples = [{"ids": torch.arange(3, 3 + n), "prompt_len": n - 1,
+                 "inputs": {"pixel_values": torch.ones(1, tiles, 3, 4, 4), "image_sizes": torch.tensor([[8, 8 * tiles]])}}
+                for n, tiles in ((5, 3), (4, 5))]
+    ids, mask, inputs = collate(examples, 0)  # tile counts 3 and 5: torch.cat failed
+    assert inputs["pixel_values"].shape == (2, 5, 3, 4, 4) and float(inputs["pixel_values"][0, 3:].abs().sum()) == 0
+    assert torch.equal(inputs["pixel_values"][1], torch.ones(5, 3, 4, 4)) and inputs["image_sizes"].shape == (2, 2)
+    qwen = Qwen2VLForConditionalGeneration(tiny_qwen2vl_config())
+    with pytest.raises(ValueError, match="no causal-LM class for Qwen2VLTextConfig.*eagle or vispec"):
+        check_text_drafter(qwen)
+    check_text_drafter(SimpleNamespace(config=tiny_llava_parts()[0].config))  # LLaVA's Llama text config: fine
 
 
 def test_loss_weights_and_learning_rate_are_refused_before_training():
@@ -200,3 +248,10 @@ def test_saved_tree_settings_are_checked_before_training_and_auto_is_accepted(tm
               "--tree-num-nodes", "many"])
     config = TrainDrafterConfig(pipeline="-", drafter="eagle", out="x", tree_depth=3, tree_top_k=2, tree_num_nodes="auto")
     assert config.tree_num_nodes == "auto"
+    # --num-draft-tokens auto: its own error message offered it, argparse refused it as no int
+    with pytest.raises(SystemExit):  # argparse: expected an int >= 1 (or auto)
+        main(["train-drafter", "--pipeline", "-", "--drafter", "eagle", "--out", str(tmp_path / "x"),
+              "--num-draft-tokens", "0"])
+    with pytest.raises(SystemExit, match="not a folder|does not exist|no such"):  # accepted: fails on the pipeline
+        main(["train-drafter", "--pipeline", str(tmp_path / "none"), "--drafter", "eagle", "--out",
+              str(tmp_path / "x"), "--num-draft-tokens", "auto", "--no-progress"])
