@@ -57,6 +57,18 @@ def test_stages_in_separate_invocations(tmp_path):
     assert mar_defaults(out, pipe)["temperature"] == 0.6  # the folder's sampling temperature
     assert metrics["config"]["main_position"] == "centre"
 
+    # a stage run on its own is reproducible: its initial weights are seeded (they were not)
+    import shutil
+
+    from safetensors.torch import load_file as load
+
+    again = tmp_path / "again"
+    shutil.copytree(work, again)
+    assert main(["testbed", "train-mar", "--out", str(tmp_path / "out2"), "--work", str(again), "--stages", "drafter",
+                 *TINY]) == 0
+    first, second = (load(str(next((w / "drafter").glob("*.safetensors")))) for w in (work, again))
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
 
 def test_bad_stage_and_config_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown stages.*'bogus'"):

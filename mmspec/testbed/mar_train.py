@@ -277,6 +277,9 @@ def stage_mar(c, work, log, bar, tag) -> dict:
     data = torch.load(os.path.join(work, "latents.pt"))
     dim, depth, head, steps = ((c.target_dim, c.target_depth, c.target_head, c.mar_steps) if tag == "target" else
                                (c.draft_dim, c.draft_depth, c.draft_head, c.draft_steps))
+    # Seeded here, per stage: a stage run on its own (--stages drafter) drew its initial weights from
+    # an unseeded generator and was not reproducible (as the bundled drafter, see assets/testbed/README.md).
+    torch.manual_seed(c.seed + (10 if tag == "target" else 20))
     model = make_mar(c, dim, depth, head)
     model = train_mar(c, model, data["latents"], data["labels"], steps, tag, log, bar)
     model.save_pretrained(os.path.join(work, tag))
