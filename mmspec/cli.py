@@ -250,6 +250,9 @@ def cmd_demo(args) -> int:
           "mmspec runs float32 CPU models on prepacked linear weights by default; every method is also timed on\n"
           "the other kernels (transformers on mmspec's packed view), so 'same kern.' shows the speculative gain alone.\n",
           flush=True)
+    if not args.no_images and os.path.exists(args.image_out) and not os.path.isdir(args.image_out):
+        # checked first: the image section writes there after minutes of benchmarks
+        raise SystemExit(f"mmspec demo: --image-out {args.image_out} is a file, not a folder")
     args.suite = "core"
     code = cmd_bench(args)
     if not args.no_images:
@@ -299,7 +302,9 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
     p.add_argument("--draft-tokens", type=_ints, default=(4, 3), help="draft tokens K per batch size (default 4,3)")
     p.add_argument("--max-new-tokens", type=int, default=48 if demo else 64)
     p.add_argument("--repeats", type=int, default=2 if demo else 3, help="timed runs per method (median)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads (default: torch's choice for the core table; 2 for " +
+                        ("the image, MAR and caption sections)" if demo else "imagegen)"))
     p.add_argument("--target-layers", type=int, default=14)
     p.add_argument("--perturbation", type=float, default=0.03, help="target/drafter disagreement knob")
     p.add_argument("--seed", type=int, default=0)
@@ -383,9 +388,24 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         module, func = SUITES[argv[1]].split(":")
-        return int(getattr(importlib.import_module(module), func)(argv[2:]) or 0)
+        return _reported(f"bench {argv[1]}", lambda: getattr(importlib.import_module(module), func)(argv[2:]))
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return _reported(args.command, lambda: args.func(args))
+
+
+# What mmspec raises for a bad value, a missing or wrong folder (a ValueError naming it, or the
+# OS's error naming the path): printed as `mmspec CMD: message`, as the commands' own checks are,
+# not as a traceback. MMSPEC_TRACEBACK=1 shows the traceback (for bug reports).
+_USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)
+
+
+def _reported(command: str, run) -> int:
+    try:
+        return int(run() or 0)
+    except _USER_ERRORS as e:
+        if os.environ.get("MMSPEC_TRACEBACK"):
+            raise
+        raise SystemExit(f"mmspec {command}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -34,3 +34,22 @@ def test_every_bench_suite_prints_its_help(suite, capsys):
         main(["bench", suite, "--help"])
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_bad_values_and_wrong_folders_end_in_a_message_not_a_traceback(tmp_path, monkeypatch):
+    """A ValueError naming the problem, or the OS's error naming a path, ended the command with a
+    traceback (generate on a VLM folder, --target-layers 0, --out naming a file, ...)."""
+    from pathlib import Path
+
+    vlm = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    for argv, message in [(["generate", "--model", str(vlm), "--class", "1", "--out", str(tmp_path / "o")],
+                           r"mmspec generate: .* holds a SpeculativeVLMPipeline pipeline"),
+                          (["bench", "--smoke", "--target-layers", "0"], r"mmspec bench: target_layers must be >= 2"),
+                          (["generate", "--class", "1", "--out", str(afile)], r"mmspec generate: .*File exists")]:
+        with pytest.raises(SystemExit, match=message):
+            main(argv)
+    monkeypatch.setenv("MMSPEC_TRACEBACK", "1")  # for bug reports: the exception itself
+    with pytest.raises(ValueError, match="target_layers must be >= 2"):
+        main(["bench", "--smoke", "--target-layers", "0"])

@@ -92,7 +92,7 @@ def test_tune_stage_keeps_the_lm_model_and_reruns_from_it(tmp_path):
     assert not stale.exists()
     plain = _weights(work / "pipeline")
     assert all(torch.equal(lm[k], plain[k]) for k in lm)
-    with pytest.raises(FileNotFoundError, match="not a saved pipeline"):
+    with pytest.raises(SystemExit, match="not a saved pipeline"):
         main([*args, "--stages", "tune", "--tune-from", str(tmp_path)])
 
 
