@@ -271,3 +271,15 @@ def test_thread_counts_and_windows_below_one_are_argument_errors(argv, tmp_path,
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and "expected an int >= 1" in capsys.readouterr().err
+
+
+def test_bench_imagegen_refuses_sampling_values_before_loading():
+    """--temperature -1 / --guidance-scale -1 failed after the model had loaded and the verify cost
+    was being measured."""
+    from mmspec.bench.imagegen import ImageBenchConfig
+
+    for kw, message in [(dict(temperature=-1.0), "temperature must be"), (dict(guidance_scale=-1.0), "guidance_scale"),
+                        (dict(guidance_scale=float("nan")), "guidance_scale must be a finite number")]:
+        with pytest.raises(ValueError, match=message):
+            ImageBenchConfig(**kw)
+    assert ImageBenchConfig(temperature=0.0, guidance_scale=1.0).guidance_scale == 1.0

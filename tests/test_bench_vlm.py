@@ -82,6 +82,8 @@ def test_bench_vlm_device_option():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             VLMBenchConfig(device="cuda")
+    with pytest.raises(ValueError, match="acceptance='bogus' is not a known rule"):  # before the weights load
+        VLMBenchConfig(acceptance="bogus")
     pipe = load_pipeline(DEFAULT_MODEL)
     from mmspec.testbed.vlm_eval import scene_size
     from mmspec.testbed.world import World

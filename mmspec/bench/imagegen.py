@@ -75,6 +75,13 @@ class ImageBenchConfig:
                              f"got {self.judge_images}")
         for m in self.methods:
             method_spec(m)  # ValueError naming an unknown method
+        # found after the model had loaded and the verify cost was being measured before
+        from mmspec.models.llamagen_sample import check_guidance_scale
+        from mmspec.sampling import SamplingConfig
+
+        SamplingConfig(temperature=self.temperature)
+        if self.guidance_scale is not None:
+            check_guidance_scale(self.guidance_scale)
 
     def per_batch(self, name: str, i: int) -> int:
         values = getattr(self, name)

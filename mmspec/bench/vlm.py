@@ -100,7 +100,10 @@ class VLMBenchConfig:
         check_device(self.device)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        from mmspec.acceptance import is_position_keyed
+        from mmspec.acceptance import RULES, get_rule, is_position_keyed
+
+        if self.acceptance not in RULES:  # refused after the weights loaded and measuring began before
+            get_rule(self.acceptance)  # raises, naming the known rules
 
         if self.temperature > 0 and not is_position_keyed(self.acceptance):
             raise ValueError(f"temperature={self.temperature} with acceptance={self.acceptance!r}: the bench compares "
