@@ -220,3 +220,16 @@ def test_train_imagegen_refuses_optimiser_and_sampling_settings_before_training(
         with pytest.raises(ValueError, match=message):
             ImageGenTrainConfig(**kwargs)
     ImageGenTrainConfig(top_k=512, temperature=0.0, warmup=0, weight_decay=0.0, class_dropout_prob=0.0)
+
+
+def test_train_imagegen_and_train_vlm_refuse_empty_stages_and_a_missing_judge(tmp_path):
+    """`--stages ,` ran nothing and exited 0; a missing --judge failed only in the eval stage, after
+    the VQ and GPT stages had trained."""
+    from mmspec.cli import main
+
+    for command in ("train-imagegen", "train-vlm"):
+        with pytest.raises(SystemExit, match="--stages names no stage"):
+            main(["testbed", command, "--out", str(tmp_path / "x"), "--stages", ","])
+    with pytest.raises(SystemExit, match="holds no judge"):
+        main(["testbed", "train-imagegen", "--out", str(tmp_path / "x"), "--judge", str(tmp_path / "none")])
+    assert not any(tmp_path.iterdir())  # refused before anything ran or was written

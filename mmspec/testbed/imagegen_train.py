@@ -366,8 +366,12 @@ def run(cfg: ImageGenTrainConfig, out: str | Path, stages=STAGES, cache: str | P
 def cmd_train_imagegen(args) -> int:
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     bad = [s for s in stages if s not in STAGES]
-    if bad:
-        raise SystemExit(f"mmspec testbed train-imagegen: unknown stages {bad}; known: {list(STAGES)}")
+    if bad or not stages:  # "--stages ," ran nothing and exited 0
+        raise SystemExit(f"mmspec testbed train-imagegen: unknown stages {bad}; known: {list(STAGES)}" if bad else
+                         f"mmspec testbed train-imagegen: --stages names no stage; known: {list(STAGES)}")
+    if "eval" in stages and not Path(args.judge, "config.json").is_file():  # read only by the last stage
+        raise SystemExit(f"mmspec testbed train-imagegen: --judge {args.judge} holds no judge (config.json); the eval "
+                         "stage needs one (`mmspec testbed train-judge`), or leave eval out of --stages")
     fields = {f.name for f in dataclasses.fields(ImageGenTrainConfig)}
     kw = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     for key in ("guidance_grid", "backgrounds"):

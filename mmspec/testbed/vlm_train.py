@@ -538,8 +538,9 @@ def run(cfg: VLMTrainConfig, out: str | Path, stages=STAGES, work: str | Path | 
 def cmd_train_vlm(args) -> int:
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     bad = [s for s in stages if s not in STAGES]
-    if bad:
-        raise SystemExit(f"mmspec testbed train-vlm: unknown stages {bad}; known: {list(STAGES)}")
+    if bad or not stages:  # "--stages ," ran nothing and exited 0
+        raise SystemExit(f"mmspec testbed train-vlm: unknown stages {bad}; known: {list(STAGES)}" if bad else
+                         f"mmspec testbed train-vlm: --stages names no stage; known: {list(STAGES)}")
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(VLMTrainConfig)
           if getattr(args, f.name, None) is not None}
     kw["progress"] = not args.no_progress

@@ -258,7 +258,7 @@ def _cmd_train(args) -> None:
     except ValueError as e:
         raise SystemExit(f"mmspec testbed train-vq: {e}") from None
     metrics = train_vq(cfg, args.out)
-    metrics["command"] = " ".join(["python -m mmspec.testbed.vq_train"] + sys.argv[1:])
+    metrics["command"] = " ".join(["mmspec"] + sys.argv[1:])  # the command as typed (mmspec testbed train-vq ...)
     Path(args.out, "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps({k: v for k, v in metrics.items() if k != "train_config"}, indent=2))
 
