@@ -81,8 +81,10 @@ def cmd_bench(args) -> int:
     from mmspec.bench.core import format_table, run
     from mmspec.bench.report import save
 
+    from mmspec.bench.report import partial_saver
+
     config = _bench_config(args)
-    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=partial_saver(args.json))
     print(format_table(report))
     if args.json:
         save(report, args.json)

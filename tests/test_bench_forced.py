@@ -114,6 +114,20 @@ def test_gpu_bench_runs_on_a_tiny_shape_on_cpu():
     assert report["config"]["order"] == "balanced"  # the default since session 52
 
 
+def test_gpu_bench_json_is_marked_partial_until_the_run_ends(tmp_path, monkeypatch):
+    """It was written after each workload without the mark, so a run cut off looked complete."""
+    import json
+
+    import mmspec.bench.gpu as gpu
+
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 1), ("text", 2)),
+                         max_new_tokens=8, repeats=1)
+    path, written, save = tmp_path / "gpu.json", [], gpu.save
+    monkeypatch.setattr(gpu, "save", lambda r, p: (written.append(r.get("partial")), save(r, p)))
+    run(cfg, progress=lambda m: None, json_path=str(path))
+    assert written == [True, True, None] and "partial" not in json.loads(path.read_text())
+
+
 def test_gpu_bench_other_fixed_k_rows_run_the_same_forced_acceptance_at_their_k():
     """`other_fixed_k` adds fixed-K rows beside the main one (is auto's choice the best K?): each
     drafts its K a step (mean K 1 and 3 here, until the budget caps them) and accepts more per step

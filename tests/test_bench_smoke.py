@@ -10,9 +10,14 @@ import pytest
 from mmspec.cli import main
 
 
-def test_bench_smoke(tmp_path, capsys):
+def test_bench_smoke(tmp_path, capsys, monkeypatch):
+    import mmspec.bench.report as report_module
+
     path = tmp_path / "bench.json"
+    written, save = [], report_module.save  # each batch size's rows are written as they come, marked partial
+    monkeypatch.setattr(report_module, "save", lambda r, p: (written.append(r.get("partial")), save(r, p)))
     assert main(["bench", "--smoke", "--threads", "1", "--json", str(path)]) == 0
+    assert written == [True, True, None]  # after batch 1, after batch 2, the final report (it wrote only that)
     report = json.loads(path.read_text())
     rows = report["rows"]
     assert {r["batch"] for r in rows} == {1, 2}
@@ -43,16 +48,22 @@ def test_bench_runs_methods_in_the_order_asked(monkeypatch, tmp_path):
 
 
 @pytest.mark.cpu_attention  # the measured CPU attention choice, reported in the header (tests/conftest.py)
-def test_bench_core_smoke(tmp_path):
+def test_bench_core_smoke(tmp_path, monkeypatch):
     """`mmspec bench core --smoke`: auto and fixed K rows, outputs identical to plain; the
     report names the attention forms mmspec's step forwards kept."""
     from mmspec import cpu_attention
     from mmspec.bench.draft_length import format_table
 
+    import mmspec.bench.report as report_module
+
     cpu_attention.reset()
     path = tmp_path / "core.json"
+    written, save = [], report_module.save  # each cell written as it comes, marked partial (it wrote only at the end)
+    monkeypatch.setattr(report_module, "save", lambda r, p: (written.append((r["partial"], len(r["rows"]))), save(r, p)))
     assert main(["bench", "core", "--smoke", "--threads", "1", "--json", str(path)]) == 0
+    assert written == [(True, 1), (True, 2)]
     report = json.loads(path.read_text())
+    assert "partial" not in report
     attn = report["info"]["cpu_attention"]
     assert attn["classes"], "the batch-2 verify forwards were measured"
     assert all(c["form"] in cpu_attention.FORMS and c["rows"] <= 2 for c in attn["classes"])

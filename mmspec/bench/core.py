@@ -193,7 +193,7 @@ def _assisted_setup(drafter, K: int) -> None:
     drafter.generation_config.assistant_confidence_threshold = 0.0
 
 
-def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
+def run(config: BenchConfig = BenchConfig(), progress=print, checkpoint=None) -> dict:
     """Rows per batch size. `kernels` says which linear kernels a row's models run on:
     "stock" (`F.linear`, what plain transformers uses) or "prepacked" (oneDNN prepacked
     weights, mmspec's default on float32 CPU models, see mmspec/models/prepack.py). With
@@ -275,6 +275,8 @@ def run(config: BenchConfig = BenchConfig(), progress=print) -> dict:
                     if ("transformers assisted", peer_kern) in times:
                         row[f"speedup_vs_assisted_{peer_kern}"] = round(times[("transformers assisted", peer_kern)] / t, 3)
             rows.append(row)
+        if checkpoint is not None:  # each batch size's rows written as they come (--json)
+            checkpoint({"info": info, "config": asdict(config), "rows": rows})
     return {"info": info, "config": asdict(config), "rows": rows}
 
 

@@ -78,7 +78,7 @@ class DraftLengthBench:
             raise ValueError(f"order must be 'balanced' or 'alternate', got {self.order!r}")
 
 
-def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
+def run(config: DraftLengthBench = DraftLengthBench(), progress=print, checkpoint=None) -> dict:
     import mmspec
     from mmspec.drafters import ModelDrafter, NullDrafter
     from mmspec.models.hf_target import HFTarget
@@ -177,6 +177,9 @@ def run(config: DraftLengthBench = DraftLengthBench(), progress=print) -> dict:
                                                 for j in methods["plain"].outs)
             rows.append(row)
             progress("    " + format_row(row))
+            if checkpoint is not None:  # each cell written as it comes (--json)
+                checkpoint({"info": {"device": "cpu", "threads": torch.get_num_threads(), "pairs": pairs_info},
+                            "config": asdict(config), "rows": rows})
     from mmspec import cpu_attention
 
     info = {"device": "cpu", "threads": torch.get_num_threads(), "pairs": pairs_info,
@@ -364,7 +367,9 @@ def main(argv: list[str]) -> int:
                                   threads=a.threads, pair=pair, prompts=a.prompts, order=a.order)
     except ValueError as e:
         raise SystemExit(f"mmspec bench core: {e}") from None
-    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    from mmspec.bench.report import partial_saver
+
+    report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=partial_saver(a.json))
     print(format_table(report))
     if a.json:
         with open(a.json, "w") as f:

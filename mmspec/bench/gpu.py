@@ -359,8 +359,10 @@ def run(config: GpuBenchConfig, progress=print, json_path: str | None = None) ->
 
         report["info"]["attention_choice"] = choices()
         progress(format_table(report))
-        if json_path:
-            save(report, json_path)
+        if json_path:  # marked partial until the run ends
+            save({**report, "partial": True}, json_path)
+    if json_path:
+        save(report, json_path)
     return report
 
 
