@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 
-from mmspec.cli_types import image_file_names, positive_int, window_arg
+from mmspec.cli_types import image_file_names, positive_int, refuse_beside_smoke, window_arg
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -42,6 +42,8 @@ def _bench_config(args):
 
     pair = PairConfig(target_layers=args.target_layers, perturbation=args.perturbation, seed=args.seed)
     if getattr(args, "smoke", False):
+        refuse_beside_smoke(args.command, args, build_parser().parse_args(["bench"]),
+                            ("batch_sizes", "draft_tokens", "max_new_tokens", "repeats", "target_layers"))
         # Seconds-long check that the whole benchmark runs (tiny pair, one round); no figures.
         pair = PairConfig(vocab_size=256, hidden_size=64, intermediate_size=128, target_layers=2, heads=4,
                           perturbation=args.perturbation, seed=args.seed)
@@ -100,7 +102,9 @@ def cmd_bench_imagegen(args) -> int:
               repeats=args.repeats, guidance_scale=args.guidance_scale, temperature=args.temperature,
               draft_tokens=args.draft_tokens, window=args.window, methods=tuple(args.methods or ()), seed=args.seed,
               threads=args.threads or 2, judge_images=args.judge_images, device=args.device)
-    if args.smoke:  # seconds-long check that the benchmark runs end to end; no figures
+    if args.smoke:  # a quick check that the benchmark runs end to end (tiny sizes); no figures
+        refuse_beside_smoke("bench imagegen", args, build_parser().parse_args(["bench", "imagegen"]),
+                            ("batch_sizes", "images", "repeats", "draft_tokens", "window", "judge_images"))
         kw.update(batch_sizes=(1, 2), images=2, repeats=1, draft_tokens=(2,), window=(3,), judge_images=0)
     _require_model(kw["model"], "bench imagegen")
     try:
@@ -317,7 +321,9 @@ def _add_bench_options(p: argparse.ArgumentParser, *, demo: bool) -> None:
                    help="method order within rounds: balanced (every method follows every other equally often; "
                         "default) or alternate (A B C, C B A, ...: the reports before session 52)")
     if not demo:
-        p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the bench runs)")
+        p.add_argument("--smoke", action="store_true",
+                       help="a quick run at its own tiny sizes (core: a tiny pair, seconds; imagegen: the bundled "
+                            "generator, 1-2 minutes on 2 CPU cores): checks the bench runs, no figures")
         g = p.add_argument_group("imagegen")
         g.add_argument("--model", default=None, help="pipeline folder (default assets/testbed/imagegen)")
         g.add_argument("--images", type=int, default=8, help="images per method and batch size per round")

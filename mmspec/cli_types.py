@@ -31,3 +31,13 @@ def image_file_names(labels: list[int]) -> list[str]:
         names.append(f"class{c:02d}_{seen.get(c, 0)}.png")
         seen[c] = seen.get(c, 0) + 1
     return names
+
+
+def refuse_beside_smoke(command: str, args, defaults, names: tuple[str, ...]) -> None:
+    """`--smoke` runs its own tiny sizes: options among `names` given beside it (differing from the
+    parser's `defaults`) would be replaced silently, so they are refused by flag."""
+    given = [n for n in names if getattr(args, n, None) != getattr(defaults, n, None)]
+    if given:
+        flags = ", ".join("--" + n.replace("_", "-") for n in given)
+        raise SystemExit(f"mmspec {command}: --smoke runs its own tiny sizes and would replace {flags}; drop "
+                         f"{'it' if len(given) == 1 else 'them'} or --smoke")

@@ -53,3 +53,12 @@ def test_bad_values_and_wrong_folders_end_in_a_message_not_a_traceback(tmp_path,
     monkeypatch.setenv("MMSPEC_TRACEBACK", "1")  # for bug reports: the exception itself
     with pytest.raises(ValueError, match="target_layers must be >= 2"):
         main(["bench", "--smoke", "--target-layers", "0"])
+
+
+def test_sizes_given_beside_smoke_are_refused_not_replaced():
+    """--smoke ran its own tiny sizes and silently replaced --batch-sizes, --images, --pairs, ..."""
+    for argv, flags in [(["bench", "--smoke", "--batch-sizes", "4", "--max-new-tokens", "32"], "--batch-sizes, --max-new-tokens"),
+                        (["bench", "imagegen", "--smoke", "--judge-images", "8"], "--judge-images"),
+                        (["bench", "core", "--smoke", "--fixed-k", "3"], "--fixed-k")]:
+        with pytest.raises(SystemExit, match=f"--smoke runs its own tiny sizes and would replace {flags}"):
+            main(argv)

@@ -344,7 +344,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--order", choices=ORDERS, default="balanced",
                    help="method order within rounds: balanced (a Williams design: every method follows every other "
                         "equally often; default) or alternate (A B C, C B A, ...: the order of reports before session 50)")
-    p.add_argument("--smoke", action="store_true", help="seconds-long run on a tiny pair (checks the suite runs)")
+    p.add_argument("--smoke", action="store_true",
+                   help="seconds-long run on a tiny pair with its own K and lengths (checks the suite runs)")
     p.add_argument("--json", default=None)
     p.add_argument("--analyse", default=None, nargs="+", metavar="REPORT.json",
                    help="print the table of a stored report, with the resolution figures of its rounds; with several "
@@ -354,6 +355,9 @@ def main(argv: list[str]) -> int:
         return _analyse(a.analyse)
     pair = PairConfig()
     if a.smoke:
+        from mmspec.cli_types import refuse_beside_smoke
+
+        refuse_beside_smoke("bench core", a, p.parse_args([]), ("pairs", "fixed_k", "k_max", "max_new_tokens"))
         pair = PairConfig(vocab_size=256, hidden_size=64, intermediate_size=128, target_layers=2, heads=4)
         a.fixed_k, a.k_max, a.max_new_tokens, a.pairs = (1, 2), 3, 8, "bench"
     # Defaults only where the option was not given (a given 0 reaches DraftLengthBench's check).
