@@ -44,6 +44,12 @@ _TABLES: dict[str, tuple[str, str]] = {
 }
 
 
+def rule_table(name: str) -> str | None:
+    """The table a rule named `name` needs to be built (LANTERN's "codebook", GSD's "embeddings",
+    cluster_exact's "labels"), or None."""
+    return _TABLES[name][0] if name in _TABLES else None
+
+
 def _init_params(cls) -> tuple[str, ...] | None:
     """Keyword names `cls(...)` accepts (None: any, it takes **kwargs)."""
     code = getattr(cls.__init__, "__code__", None)
@@ -116,6 +122,7 @@ __all__ = [
     "CONTINUOUS_RULES",
     "RULES",
     "get_continuous_rule",
+    "rule_table",
     "get_rule",
     "is_position_keyed",
     "ChainRule",

@@ -16,8 +16,10 @@
                                      pipelines/vlm_cli.py)
 
 argparse options map one to one onto the fields of the config dataclasses they build
-(`mmspec.bench.core.BenchConfig`, `mmspec.bench.pair.PairConfig`). Heavy imports happen
-inside the command functions, so `mmspec --help` is instant.
+(`mmspec.bench.core.BenchConfig`, `mmspec.bench.pair.PairConfig`). Model and benchmark code is
+imported inside the command functions; building the parsers still loads torch, transformers and
+diffusers (a few seconds for `mmspec --help`). A ValueError or a missing path ends a command as
+`mmspec CMD: message` (MMSPEC_TRACEBACK=1: the traceback).
 """
 
 from __future__ import annotations

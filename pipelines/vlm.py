@@ -243,6 +243,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if not d.is_dir():
             raise ValueError(f"{d} is not a folder (pipelines load from local folders only)")
         index = json.loads((d / INDEX).read_text()) if (d / INDEX).is_file() else None
+        if index is not None and index.get("_class_name") != cls.__name__:  # transformers: "Unrecognized model"
+            raise ValueError(f"{d} holds a {index.get('_class_name')} pipeline, not a {cls.__name__}")
+        if index is None and not (d / "config.json").is_file():
+            raise ValueError(f"{d} is neither a saved {cls.__name__} (model_index.json) nor a transformers VLM "
+                             "checkpoint folder (config.json)")
         target_dir, proc_dir = (d / "target", d / "processor") if index else (d, d)
         config = transformers.AutoConfig.from_pretrained(target_dir)
         if config.model_type not in SUPPORTED_MODEL_TYPES:

@@ -1,4 +1,4 @@
-"""VLM commands of the `mmspec` CLI (imports stay inside the functions: `mmspec --help` is instant).
+"""VLM commands of the `mmspec` CLI (model code is imported inside the functions).
 
     mmspec caption IMAGE... [--model DIR] [--drafter NAME] [--batch-size N] [--compare] [--json]
     mmspec vqa IMAGE --question TEXT [--model DIR] [--drafter NAME] [--compare] [--json]
@@ -39,10 +39,8 @@ def _run(args, images, prompts) -> int:
 
     from .vlm import SpeculativeVLMPipeline
 
-    from mmspec.acceptance import is_position_keyed
+    from mmspec.acceptance import RULES, get_rule, is_position_keyed, rule_table
     from mmspec.devices import check_device, move_pipeline
-
-    from mmspec.acceptance import RULES, get_rule
     from mmspec.sampling import SamplingConfig
 
     try:  # refused before the weights load (a progress bar and seconds of work), not after
@@ -64,6 +62,12 @@ def _run(args, images, prompts) -> int:
         move_pipeline(pipe, args.device)
     except ValueError as e:
         raise SystemExit(f"mmspec {args.command}: {e}") from None
+    table = rule_table(args.acceptance)
+    provided = pipe._spec_target.acceptance_tables()
+    if table is not None and table not in provided:  # the library's advice (a rule object) is not for a CLI user
+        usable = sorted(r for r in RULES if rule_table(r) in (None, *provided))
+        raise SystemExit(f"mmspec {args.command}: --acceptance {args.acceptance} needs a {table} table, which this "
+                         f"model does not provide; choose one of {usable}")
     speculative = pipe.drafter is not None
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, batch_size=args.batch_size,
                    acceptance=args.acceptance, generator=torch.Generator().manual_seed(args.seed))

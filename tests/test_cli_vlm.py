@@ -96,6 +96,24 @@ def test_bad_values_are_refused_before_the_model_loads(tmp_path, capsys):
     assert "expected an int >= 1, got 0" in capsys.readouterr().err
 
 
+def test_a_rule_needing_a_table_the_model_lacks_is_refused_with_the_usable_ones(saved):
+    """--acceptance lantern was refused with advice to pass a rule object, which a CLI user cannot."""
+    for rule, table in (("lantern", "codebook"), ("cluster_exact", "labels")):
+        with pytest.raises(SystemExit, match=f"--acceptance {rule} needs a {table} table.*'exact', 'greedy', 'gsd'"):
+            main(["caption", str(saved / "0.png"), "--model", str(saved / "pipe"), "--acceptance", rule])
+
+
+def test_a_folder_of_another_kind_is_named(tmp_path):
+    from pathlib import Path
+
+    assets = Path(__file__).resolve().parents[1] / "assets" / "testbed"
+    image = str(assets / "images" / "scene_00.png")
+    with pytest.raises(SystemExit, match="holds a SpeculativeMARPipeline pipeline, not a SpeculativeVLMPipeline"):
+        main(["caption", image, "--model", str(assets / "mar")])
+    with pytest.raises(SystemExit, match="neither a saved SpeculativeVLMPipeline .* nor a transformers VLM"):
+        main(["caption", image, "--model", str(assets / "imagegen")])  # transformers said "Unrecognized model"
+
+
 def test_train_drafter_command(saved, tmp_path, capsys):
     code = main(["train-drafter", "--pipeline", str(saved / "pipe"), "--drafter", "vispec", "--out", str(tmp_path / "v"),
                  "--data", str(saved), "--steps", "2", "--batch-size", "2", "--answer-tokens", "4", "--no-progress"])
