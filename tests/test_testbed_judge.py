@@ -74,3 +74,16 @@ def test_bundled_judge_frechet_separates_real_from_degraded(bundled, held_out):
     for degraded in (blurred, noisy):
         d = bundled.score(degraded, labels)
         assert d["frechet"] > 3 * real["frechet"]
+
+
+def test_another_models_folder_is_not_taken_for_a_judge():
+    """A VQ folder gave a TypeError from JudgeConfig (unexpected keyword 'codebook_size')."""
+    from pathlib import Path
+
+    import pytest
+
+    from mmspec.testbed.judge_model import Judge
+
+    vq = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vq"
+    with pytest.raises(ValueError, match="holds no judge: its config.json has fields .*'codebook_size'"):
+        Judge.from_pretrained(str(vq))

@@ -16,6 +16,7 @@ similar size (small sets bias the covariance), and only for this world.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -140,7 +141,12 @@ class Judge(nn.Module):
             raise ValueError(f"directory={directory!r} holds no judge (config.json missing); train one with "
                              "`mmspec testbed train-judge`")
         with open(cfg_path) as f:
-            judge = cls(JudgeConfig(**json.load(f)))
+            fields = json.load(f)
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(JudgeConfig)})
+        if unknown:  # another model's folder (a VQ's, a pipeline's): a TypeError from the dataclass before
+            raise ValueError(f"directory={directory!r} holds no judge: its config.json has fields {unknown[:6]} a "
+                             "JudgeConfig does not (another model's folder?)")
+        judge = cls(JudgeConfig(**fields))
         state = load_file(os.path.join(directory, "model.safetensors"))
         judge.load_state_dict({k: v.to(judge.state_dict()[k].dtype) for k, v in state.items()})
         return judge.eval()
