@@ -27,8 +27,9 @@ rule must see per draft position), warpers with a non-default `filter_value` /
 `min_tokens_to_keep`, warpers under greedy decoding, `output_scores` / `output_logits` /
 `output_attentions` / `output_hidden_states` with `return_dict_in_generate`, `streamer`,
 `assistant_model`, `synced_gpus` (transformers does not hand these three to the callable; they
-are read off the calling `generate`) and `inputs_embeds`; images on Qwen2-VL / Qwen2.5-VL (generate drops `image_grid_thw` with the
-pixels, and mmspec's M-RoPE positions need it: call `mmspec.speculative_generate` there).
+are read off the calling `generate`) and `inputs_embeds`; images on Qwen2-VL / Qwen2.5-VL
+(generate drops `image_grid_thw` with the pixels, and mmspec's M-RoPE positions need it: call
+`mmspec.speculative_generate` there).
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ def _dropped_generate_options() -> dict:
     if frame is None:
         return {}
     seen = frame.f_locals
-    return {k: seen.get(k) for k in ("streamer", "assistant_model", "synced_gpus") if seen.get(k)}
+    given = {k: seen.get(k) for k in ("streamer", "assistant_model", "synced_gpus")}
+    return {k: v for k, v in given.items() if v is not None and v is not False}
 
 
 def speculative_decoding(
