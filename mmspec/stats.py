@@ -9,8 +9,9 @@ product. A step that drafted fewer positions (K = 0 under `num_draft_tokens="aut
 a chain cut at EOS or at `max_new_tokens`) does not count as rejecting the positions it never
 proposed or emitted. For a tree, position i is depth i, judged after an accepted path up to the
 tree's depth (a pruned tree's path may end sooner: its rates are then lower bounds). Counts are
-per row-step, so a batch of B rows verified once counts B times. (Stats assembled without `offer_counts` fall back to dividing by the previous position's
-count, the row-steps for position 0.)
+per row-step, so a batch of B rows verified once counts B times. (Stats assembled without
+`offer_counts` fall back to dividing by the previous position's count, the row-steps for
+position 0.)
 
 Only *emitted* tokens count: drafts accepted after an EOS or past `max_new_tokens` are cut
 from the output and are not counted as accepted either (`verified_accepted` keeps the
