@@ -234,9 +234,17 @@ class WindowBandit:
         self.history.append(self._arm)
         return self._arm
 
+    def observe_emitted(self, emitted: list[int]) -> None:
+        """The tokens each row emitted this step (the loop calls it before `observe`): what the
+        arm is scored on. Accepted + 1 counted drafts the rule took past EOS / max_new_tokens, so
+        wide arms looked better than they were on short requests (3-token answers: 22 counted, 8
+        emitted)."""
+        self._emitted = sum(emitted)
+
     def observe(self, batch: int, k: int, accepted: list[int], draft_seconds: float, verify_seconds: float,
                 rows=None) -> None:
-        self._tokens += sum(accepted) + len(accepted)
+        emitted = self.__dict__.pop("_emitted", None)  # without the loop's count: accepted + 1 per row
+        self._tokens += sum(accepted) + len(accepted) if emitted is None else emitted
         self._seconds += draft_seconds + verify_seconds
 
     def skip_draft_cost_once(self) -> None:  # the per-step controller's hook; nothing one-off here

@@ -419,6 +419,9 @@ class _Loop:
             seconds = ((h1 - h0) + (time.perf_counter() - h2), h2 - h1)
             if draft.is_chain:  # a chain that ended at EOS drafted fewer than k: learn what ran
                 k = min(k, draft.tokens.shape[1])
+            emitted_hook = getattr(self.controller, "observe_emitted", None)
+            if emitted_hook is not None:  # tokens that reached the output (the window / tree bandit)
+                emitted_hook(count_host)
             if self._row_ids:
                 self.controller.observe(len(n_host), k, n_host, *seconds, rows=rows)
             else:

@@ -99,3 +99,15 @@ def test_tree_size_changing_every_step_stays_greedy_exact(llava, kind):
     out = greedy_rows_equal_plain(model, drafter)
     ks = out.stats.nodes_per_step
     assert ks[: len(script)] == script[: len(ks)] and len(ks) > 4
+
+
+def test_the_tree_bandit_scores_tokens_that_reached_the_output(target, good_drafter):
+    """It counted the rule's accepted drafts + 1 per row, drafts past max_new_tokens included: on
+    3-token answers a wide tree was credited 22 tokens where the steps emitted 8."""
+    ids, mask = left_padded([5, 3, 7, 4])
+    d = ModelDrafter(good_drafter, tree=mmspec.TreeConfig(depth=5, top_k=2, num_nodes="auto"))
+    for _ in range(3):
+        out = mmspec.speculative_generate(target, d, ids, mask, temperature=0, max_new_tokens=3)
+        s = out.stats
+        assert d.controller._tokens == s.emitted_tokens  # the request's score counts what was emitted
+    assert s.verified_accepted > s.accepted_drafts  # drafts were accepted past the end: the counts could differ
