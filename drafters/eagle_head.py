@@ -312,7 +312,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
 
     def __init__(self, target, head: EagleHead, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None,
                  max_draft_tokens: int | None = None):
-        max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6)
+        max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6, tree=tree)
         # "auto" (chains): the loop picks K in 0..max_draft_tokens before every step from measured
         # costs and acceptance (mmspec/adaptive.py); K = 0 defers the head's catch-up. A tree with
         # num_nodes="auto": the node count per request (mmspec/adaptive_window.py), 0 deferring too.

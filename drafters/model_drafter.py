@@ -59,11 +59,14 @@ def drafter_spec(model, prepack) -> ForwardSpec:
 
 
 
-def check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default: int) -> int:
+def check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default: int, tree=None) -> int:
     """The largest K of an adaptive ("auto") chain drafter; `max_draft_tokens` is refused with a
-    fixed `num_draft_tokens`, where it would have no effect."""
+    fixed `num_draft_tokens` or a tree, where it would have no effect."""
     if max_draft_tokens is None:
         return default
+    if tree is not None:
+        raise ValueError(f"max_draft_tokens={max_draft_tokens!r} is for chains (num_draft_tokens='auto'); a tree's "
+                         "largest size is its num_nodes (TreeConfig(num_nodes=N, adaptive=True), or num_nodes='auto')")
     if num_draft_tokens != "auto":
         raise ValueError(f"max_draft_tokens={max_draft_tokens!r} only applies to num_draft_tokens='auto'; "
                          f"with num_draft_tokens={num_draft_tokens!r} the draft length is fixed")
@@ -114,7 +117,7 @@ class ModelDrafter(DraftsWithPositionNoise):
             )
         if num_draft_tokens is None:
             num_draft_tokens = "auto" if tree is None else 0  # trees draft tree.num_nodes
-        max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=8)
+        max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=8, tree=tree)
         self.adaptive = (num_draft_tokens == "auto" and tree is None) or (tree is not None and tree.adaptive)
         if self.adaptive:
             num_draft_tokens = max_draft_tokens

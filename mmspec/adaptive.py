@@ -45,7 +45,8 @@ Model (per step, B active rows, K drafts per row):
   still gets an estimate. A key read fewer than 1 / (1 - decay) times is weighed against the
   line through the other keys of its row count (as two readings): it is read again only when
   chosen or probed, so one noisy reading would otherwise steer rankings for long.
-  K = 0 is plain decoding (the drafter does no work that step).
+  K = 0 is plain decoding (the drafter does no work that step, except that an EAGLE / ViSpec
+  head runs its prompt prefill at a request's first step if that step is K = 0).
 - The machine's speed moves in phases that every shape shares (a shared VM ran 45% faster for
   minutes while `auto` held one K, and the shapes read before kept their old costs). A log phase
   follows it: each warm verify of a shape read before moves it by `phase_rate` (0.1) x its log
@@ -140,6 +141,16 @@ class DraftLengthController:
         if not isinstance(k_max, int) or k_max < 0:
             raise ValueError(f"k_max must be an int >= 0, got {k_max!r}")
         self.k_max = k_max
+        # (each checked by name: a NaN decay failed deep inside as "cannot convert float NaN to
+        # integer", a prior_acceptance of 3 made acceptance estimates above 1)
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1] (the weight a past step keeps per step), got {decay!r}")
+        if isinstance(prior_acceptance, bool) or not isinstance(prior_acceptance, (int, float)) or not (
+                0.0 <= prior_acceptance <= 1.0):
+            raise ValueError(f"prior_acceptance must be a probability in [0, 1], got {prior_acceptance!r}")
+        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or not (
+                0.0 <= prior_weight < math.inf):
+            raise ValueError(f"prior_weight must be a finite number >= 0, got {prior_weight!r}")
         self.decay = decay
         if not isinstance(memory, int) or memory < 2:
             raise ValueError(f"memory must be an int >= 2 (draft outcomes remembered per position), got {memory!r}")
@@ -163,6 +174,8 @@ class DraftLengthController:
         self.draft = StepCosts(decay)
         k0 = min(3, k_max)  # two draft lengths give the cost lines two points; the rest is chosen
         self.warmup = list(warmup if warmup is not None else (k0, min(1, k_max), k0))
+        if any(isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= k_max for k in self.warmup):
+            raise ValueError(f"warmup must hold draft lengths, ints in 0..k_max={k_max}, got {warmup!r}")
         if not isinstance(probe_every, int) or probe_every < 0:
             raise ValueError(f"probe_every must be an int >= 0 (0: never probe), got {probe_every!r}")
         if not isinstance(max_probe_every, int) or max_probe_every < probe_every:

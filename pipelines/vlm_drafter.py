@@ -54,7 +54,7 @@ class DrafterComponent(ModelMixin, ConfigMixin):
         if num_draft_tokens != "auto" and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
                                            or num_draft_tokens < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
-        check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6)
+        check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6, tree=tree_depth or None)
         if kind == "text":
             from transformers import AutoConfig, AutoModelForCausalLM
 

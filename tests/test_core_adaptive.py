@@ -4,6 +4,7 @@ follow measured costs and acceptance (fed synthetic measurements, so determinist
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import mmspec
@@ -386,3 +387,18 @@ def test_unpadded_equal_length_plain_steps_run_mask_free_and_exact(target, good_
     ref2 = target.generate(input_ids=ids2, attention_mask=mask2, do_sample=False, max_new_tokens=10, pad_token_id=0,
                            eos_token_id=None)
     assert torch.equal(out.sequences, ref2) and not any(full)
+
+
+def test_controller_and_drafter_settings_are_refused_by_name(good_drafter):
+    """warmup past k_max was chosen (the drafter refused it later without naming warmup), a NaN decay
+    failed as 'cannot convert float NaN to integer', decay 1.5 and prior_acceptance 3 (estimates
+    above 1) were accepted; max_draft_tokens beside a tree said 'with num_draft_tokens=0 ...'."""
+    for kwargs, message in [(dict(warmup=(5,)), r"warmup must hold draft lengths, ints in 0..k_max=3"),
+                            (dict(warmup=(-1,)), "warmup must hold"), (dict(decay=float("nan")), "decay must be in"),
+                            (dict(decay=1.5), "decay must be in"), (dict(prior_acceptance=3.0), "prior_acceptance"),
+                            (dict(prior_weight=-1.0), "prior_weight")]:
+        with pytest.raises(ValueError, match=message):
+            DraftLengthController(3, **kwargs)
+    DraftLengthController(3, warmup=(0, 3), decay=1.0, prior_acceptance=0.0, prior_weight=0.0)
+    with pytest.raises(ValueError, match="max_draft_tokens=5 is for chains"):
+        ModelDrafter(good_drafter, tree=mmspec.TreeConfig(depth=3, top_k=2, num_nodes="auto"), max_draft_tokens=5)
