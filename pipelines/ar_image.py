@@ -273,7 +273,11 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                 # model, guidance on / off and tree.
                 controllers = self.__dict__.setdefault("_draft_length_controllers", {})
                 key = (id(d), guided and d.args.has_null_class, tree)
-                drafter.controller = controllers.setdefault(key, drafter.controller)
+                held, controller = controllers.get(key, (None, None))
+                if held is not d:  # keyed by address: the entry holds its model, so no other takes the address
+                    controllers[key] = (d, drafter.controller)
+                else:
+                    drafter.controller = controller
             return drafter, name
         return d, type(d).__name__
 

@@ -50,7 +50,7 @@ def test_pipeline_model_drafter_auto_keeps_its_controller_across_calls():
     for _ in range(3):
         out = pipe(LABELS.tolist(), guidance_scale=3.0, temperature=0, output_type="latent")
         assert torch.equal(out.tokens, ref)
-    (controller,) = pipe._draft_length_controllers.values()
+    ((_, controller),) = pipe._draft_length_controllers.values()
     assert len(controller.history) > 2 * out.stats.target_calls  # the steps of all three calls, one controller
     pipe.register_to_config(drafter_config={**pipe.config.drafter_config, "num_draft_tokens": "four"})
     with pytest.raises(ValueError, match=r"drafter_config\['num_draft_tokens'\] must be an int >= 0 or 'auto'"):
