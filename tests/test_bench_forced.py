@@ -228,3 +228,28 @@ def test_gpu_bench_pinned_auto_row_drafts_the_fixed_k_every_step(capsys):
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--workloads", "text:1",
                  "--max-new-tokens", "8", "--repeats", "1", "--pinned-auto-row"]) == 0
     assert "mmspec auto pinned K=5" in capsys.readouterr().out
+
+
+def test_gpu_bench_checks_every_request_not_the_last_one(monkeypatch):
+    """'same' (identical_to_generate) read the last round's request only: a wrong output for an
+    earlier round's prompt was reported identical."""
+    import mmspec
+    import mmspec.bench.gpu as gpu
+    from mmspec.bench.forced import ForcedDrafter
+
+    cfg = GpuBenchConfig(shape="tiny", device="cpu", dtype="float32", workloads=(("text", 1),), max_new_tokens=16,
+                         repeats=3, attention_rows=False)
+    sets = gpu._prompt_set(1, gpu.WORKLOADS["text"], 256, cfg.seed + 1, cfg.repeats + 1)
+    bad_length = sets[1][0].shape[1]  # decoded in timed round 1 only
+    real = mmspec.speculative_generate
+
+    def corrupted(target, drafter, ids, *args, **kwargs):
+        out = real(target, drafter, ids, *args, **kwargs)
+        if isinstance(drafter, ForcedDrafter) and drafter.inner.num_draft_tokens == 5 and ids.shape[1] == bad_length:
+            out.sequences[:, -1] = (out.sequences[:, -1] + 1) % 256
+        return out
+
+    monkeypatch.setattr(mmspec, "speculative_generate", corrupted)
+    rows = {r["method"]: r for r in run(cfg, progress=lambda m: None)["rows"]}
+    assert rows["mmspec K=5"]["identical_to_generate"] is False and rows["mmspec K=5"]["requests_checked"] == 4
+    assert rows["mmspec auto"]["identical_to_generate"] is True

@@ -25,8 +25,9 @@ transformers' plain `generate`, mmspec plain (K = 0 through the same loop), mmsp
 K, mmspec `"auto"`, and the *ideal*: exactly the fixed-K run's model forwards replayed with no
 engine around them (mmspec/bench/core.py `_replay`); `efficiency = ideal / measured`. With
 `--compile` the first workload also runs the opt-in static path (`static=True`) and CUDA graphs
-(`compile="reduce-overhead"`) at fixed K. Every output is compared with `generate`'s greedy
-output (bfloat16: verify shapes differ from one-token decoding, so a near-tie can flip; the
+(`compile="reduce-overhead"`) at fixed K. Every output (each request a method decoded: the
+warm-up's and every round's prompt) is compared with `generate`'s greedy output, and the
+accepted length, mean K and verify forwards (per request) are over those requests (bfloat16: verify shapes differ from one-token decoding, so a near-tie can flip; the
 table says so per row rather than hiding it). A deadline (`--deadline-s`) skips what would
 not fit and says so. On a machine without CUDA it refuses `--device cuda`; `--shape tiny
 --device cpu` is a seconds-long smoke run.
@@ -288,7 +289,8 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
         for label in compiled:
             for p in range(1, count):
                 methods[label](p)
-    methods = {k: _synced(_cycling(v, count), dev) for k, v in methods.items()}
+    cycled = {k: _cycling(v, count) for k, v in methods.items()}  # each keeps its latest output per prompt
+    methods = {k: _synced(c, dev) for k, c in cycled.items()}
     L = max(i.shape[1] for i, _ in prompts)
     progress(f"{name} B={B}: prompt {'up to ' if count > 1 else ''}{L} positions, {N} new tokens, "
              f"{'a fresh prompt per call' if count > 1 else 'one prompt for every call'}, {', '.join(methods)} "
@@ -305,11 +307,16 @@ def _workload(config, target, drafter, name, B, progress, compile_rows):
         if method == "ideal":
             row["efficiency_of_fixed_k"] = round(t / times[f"mmspec K={K}"], 3)
         elif method != "generate":
-            row["identical_to_generate"] = bool(torch.equal(out.sequences, refs[p]))  # the last round's request
+            # every request the method decoded (the warm-up's and each round's prompt), not the last one only
+            every = cycled[method].outs
+            row["identical_to_generate"] = all(bool(torch.equal(o.sequences, refs[j])) for j, o in every.items())
+            row["requests_checked"] = len(every)
             if stats is not None and method != "mmspec plain":
-                row["mean_accepted_length"] = round(stats.mean_accepted_length, 3)
-                row["mean_k"] = round(stats.drafted_nodes / max(stats.row_steps, 1), 2)
-                row["verify_forwards"] = stats.target_calls
+                all_stats = [o.stats for o in every.values()]
+                steps = max(sum(s.row_steps for s in all_stats), 1)  # the figures of all those requests
+                row["mean_accepted_length"] = round(sum(s.emitted_tokens for s in all_stats) / steps, 3)
+                row["mean_k"] = round(sum(s.drafted_nodes for s in all_stats) / steps, 2)
+                row["verify_forwards"] = round(sum(s.target_calls for s in all_stats) / len(all_stats), 1)
                 if method == "mmspec auto":
                     row["controller"] = controller_state(drafters["auto"].controller, B, N)
                 if "auto" not in method and method not in others:  # rows at K: the replay ideal is K's forwards
