@@ -73,6 +73,9 @@ def test_bench_core_smoke(tmp_path, monkeypatch):
     cpu_attention.reset()
     rows = report["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
+    t1 = rows[0]["tokens_per_s"]  # at batch 1 assisted generation as shipped and on the same kernels as plain
+    assert {"assisted", "assisted same kernels"} <= set(t1) and rows[0]["assisted_identical"]
+    assert abs(rows[0]["auto_vs_assisted_same_kernels"] - t1["auto"] / t1["assisted same kernels"]) < 0.01
     for r in rows:
         assert r["identical_to_plain"] and {"plain", "mmspec plain", "auto", "K=1", "K=2"} <= set(r["tokens_per_s"])
         t = r["tokens_per_s"]  # mmspec's own plain decoding, beside generate's, separates loop and controller
