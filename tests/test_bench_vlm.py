@@ -119,3 +119,21 @@ def test_bench_vlm_sampled_with_invariant_acceptance():
         VLMBenchConfig(temperature=0.8, generate=False)
     with pytest.raises(ValueError, match="--no-generate"):
         VLMBenchConfig(temperature=0.8, acceptance="invariant")
+
+
+def test_demo_says_which_drafters_differ_instead_of_claiming_identical(monkeypatch):
+    """The caption section printed "speculative ones are identical" whatever its own table said."""
+    from mmspec.bench import vlm
+
+    real = vlm.run_round
+
+    def one_drafter_differs(pipe, methods, images, prompts, B, cfg):
+        acc = real(pipe, methods, images, prompts, B, cfg)
+        acc["eagle"]["seqs"][0] = acc["eagle"]["seqs"][0][:-1] + [acc["eagle"]["seqs"][0][-1] + 1]
+        return acc
+
+    text = vlm.demo(scenes=1, batch_sizes=(1,), max_new_tokens=4, threads=1)
+    assert "speculative ones are identical" in text and "NO" not in text
+    monkeypatch.setattr(vlm, "run_round", one_drafter_differs)
+    text = vlm.demo(scenes=1, batch_sizes=(1,), max_new_tokens=4, threads=1)
+    assert "those of eagle DIFFER" in text and "speculative ones are identical" not in text
