@@ -118,6 +118,7 @@ def test_bench_imagegen_smoke(folder, tmp_path, capsys, monkeypatch):
     invariant = [m for m in rows if m.startswith("invariant/") and m != "invariant/plain"]
     assert len(invariant) >= 3 and all(rows[m]["identical_to_invariant_plain"] for m in invariant)
     assert rows["invariant/plain"]["lossless"] and "identical_to_invariant_plain" not in rows["exact/model"]
+    assert "identical_to_invariant_plain" not in rows["invariant/plain"]  # the reference is not checked against itself
     assert report["batches"][0]["verify_cost"]["ratio_to_one_token"]["1"] == 1.0
     assert "speed-up" in capsys.readouterr().out
     assert report["model"]["device"] == "cpu" and report["config"]["device"] == "cpu"

@@ -356,7 +356,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None, checkpoint=None) -> dict
             # far one round's figure moves on this machine.
             paired = sorted(p["wall_s"] / x["wall_s"] for p, x in zip(runs["plain"], runs[m]))
             rows[m]["speedup_rounds_min_max"] = [round(paired[0], 3), round(paired[-1], 3)]
-            if method_spec(m)[2] == "invariant" and "invariant/plain" in runs:  # same seed, same tokens?
+            if method_spec(m)[2] == "invariant" and "invariant/plain" in runs and m != "invariant/plain":  # same tokens?
                 rows[m]["identical_to_invariant_plain"] = all(
                     torch.equal(x["tokens"], p["tokens"]) for x, p in zip(runs[m], runs["invariant/plain"]))
             if method_spec(m)[3] == "auto":  # what the controller chose over the timed rounds (per step)
