@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         module, func = SUITES[argv[1]].split(":")
         return _reported(f"bench {argv[1]}", lambda: getattr(importlib.import_module(module), func)(argv[2:]))
     args = build_parser().parse_args(argv)
-    return _reported(args.command, lambda: args.func(args))
+    name = " ".join(filter(None, (args.command, getattr(args, "testbed_command", None))))
+    return _reported(name, lambda: args.func(args))
 
 
 # What mmspec raises for a bad value, a missing or wrong folder (a ValueError naming it, or the
