@@ -28,7 +28,7 @@ import argparse
 import os
 import sys
 
-from mmspec.cli_types import image_file_names, positive_int, refuse_beside_smoke, window_arg
+from mmspec.cli_types import given_flags, image_file_names, positive_int, refuse_beside_smoke, window_arg
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -67,11 +67,9 @@ _IMAGEGEN_ONLY = ("model", "images", "window", "methods", "guidance_scale", "tem
 
 
 def _refuse_other_suites_options(args, names: tuple[str, ...], suite: str) -> None:
-    defaults = build_parser().parse_args(["bench"])
-    given = [n for n in names if hasattr(args, n) and getattr(args, n) != getattr(defaults, n)]
+    given = given_flags(args, build_parser().parse_args(["bench"]), names)
     if given:
-        flags = ", ".join("--" + n.replace("_", "-") for n in given)
-        raise SystemExit(f"mmspec bench{' ' + suite if suite == 'imagegen' else ''}: {flags} "
+        raise SystemExit(f"mmspec bench{' ' + suite if suite == 'imagegen' else ''}: {', '.join(given)} "
                          f"{'does' if len(given) == 1 else 'do'} not apply to this suite "
                          f"(`mmspec bench --help` groups the options by suite)")
 
@@ -83,9 +81,7 @@ def cmd_bench(args) -> int:
     if args.command == "bench":
         _refuse_other_suites_options(args, _IMAGEGEN_ONLY, "core")
     from mmspec.bench.core import format_table, run
-    from mmspec.bench.report import save
-
-    from mmspec.bench.report import partial_saver
+    from mmspec.bench.report import partial_saver, save
 
     config = _bench_config(args)
     report = run(config, progress=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=partial_saver(args.json))

@@ -33,11 +33,16 @@ def image_file_names(labels: list[int]) -> list[str]:
     return names
 
 
+def given_flags(args, defaults, names: tuple[str, ...]) -> list[str]:
+    """The options among `names` whose value differs from the parser's `defaults`, as flags
+    (`batch_sizes` -> `--batch-sizes`): what a user gave that a command would otherwise ignore."""
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n, None) != getattr(defaults, n, None)]
+
+
 def refuse_beside_smoke(command: str, args, defaults, names: tuple[str, ...]) -> None:
-    """`--smoke` runs its own tiny sizes: options among `names` given beside it (differing from the
-    parser's `defaults`) would be replaced silently, so they are refused by flag."""
-    given = [n for n in names if getattr(args, n, None) != getattr(defaults, n, None)]
+    """`--smoke` runs its own tiny sizes: options among `names` given beside it would be replaced
+    silently, so they are refused by flag."""
+    given = given_flags(args, defaults, names)
     if given:
-        flags = ", ".join("--" + n.replace("_", "-") for n in given)
-        raise SystemExit(f"mmspec {command}: --smoke runs its own tiny sizes and would replace {flags}; drop "
-                         f"{'it' if len(given) == 1 else 'them'} or --smoke")
+        raise SystemExit(f"mmspec {command}: --smoke runs its own tiny sizes and would replace {', '.join(given)}; "
+                         f"drop {'it' if len(given) == 1 else 'them'} or --smoke")

@@ -43,14 +43,13 @@ def _run(args, images, prompts) -> int:
     from mmspec.devices import check_device, move_pipeline
     from mmspec.sampling import SamplingConfig
 
-    try:  # refused before the weights load (a progress bar and seconds of work), not after
-        SamplingConfig(temperature=args.temperature)
-        if args.max_new_tokens < 0:
-            raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-        if args.acceptance not in RULES:
-            get_rule(args.acceptance)  # raises, naming the known rules
-    except ValueError as e:
-        raise SystemExit(f"mmspec {args.command}: {e}") from None
+    # Refused before the weights load (a progress bar and seconds of work), not after; a
+    # ValueError ends the command as `mmspec CMD: message` (mmspec.cli).
+    SamplingConfig(temperature=args.temperature)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.acceptance not in RULES:
+        get_rule(args.acceptance)  # raises, naming the known rules
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
