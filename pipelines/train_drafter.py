@@ -130,6 +130,13 @@ def target_identity(model) -> str:
     return h.hexdigest()[:16]
 
 
+def load_target_pipeline(path: str):
+    """The pipeline whose target a drafter is trained on, as `train_drafter` loads it (float32)."""
+    from .vlm import SpeculativeVLMPipeline
+
+    return SpeculativeVLMPipeline.from_pretrained(path, dtype=torch.float32)
+
+
 def data_key(config: TrainDrafterConfig, image_size: int = 64, target: str | None = None) -> dict:
     """The settings that decide which answers `data.pt` holds (a resume must not reuse other ones);
     ``image_size``: the size the world's scenes were rendered at (when ``config.data`` is None);
@@ -330,13 +337,11 @@ def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
     """Train (or resume) and save the drafter; returns {"losses": [...], "out": dir}."""
     from tqdm import tqdm
 
-    from .vlm import SpeculativeVLMPipeline
-
     torch.manual_seed(config.seed)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     if pipe is None:
-        pipe = SpeculativeVLMPipeline.from_pretrained(config.pipeline, dtype=torch.float32)
+        pipe = load_target_pipeline(config.pipeline)
     pipe.target.to(config.device).requires_grad_(False).eval()  # the teacher runs without dropout
     if config.drafter == "text":
         check_text_drafter(pipe.target)  # before minutes of regenerated answers

@@ -263,6 +263,20 @@ def test_train_vlm_regenerates_shared_drafter_data_for_other_settings(tiny_run):
     assert saved["key"]["image_size"] == 64  # the world's scenes, at the bundle-like 64 px
 
 
+def test_train_vlm_reuses_shared_drafter_data_of_the_same_target(tiny_run, monkeypatch):
+    """The data key holds the target's fingerprint since session 56; train-vlm's check of its shared
+    answers must compute it too, or every drafter regenerates them."""
+    import mmspec.pipelines.train_drafter as td
+    from mmspec.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the shared answers were regenerated although they fit")
+
+    monkeypatch.setattr(td, "regenerate", refuse)
+    assert main(["testbed", "train-vlm", "--out", str(tiny_run), *TINY, "--drafter-images", "6",
+                 "--stages", "eagle"]) == 0
+
+
 def test_drafter_data_rendered_at_another_size_are_not_reused(tmp_path):
     """`data.pt` of world scenes rendered at 64 px is refused for a 128-px pipeline (resume)."""
     from mmspec.pipelines.train_config import TrainDrafterConfig

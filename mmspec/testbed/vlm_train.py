@@ -422,7 +422,7 @@ def drafter_config(cfg: VLMTrainConfig, work: Path, kind: str):
 
 
 def stage_drafter(cfg: VLMTrainConfig, work: Path, log: dict, kind: str) -> dict:
-    from mmspec.pipelines.train_drafter import load_data, train_drafter
+    from mmspec.pipelines.train_drafter import load_data, load_target_pipeline, target_identity, train_drafter
 
     dc = drafter_config(cfg, work, kind)
     out = Path(dc.out)
@@ -431,8 +431,8 @@ def stage_drafter(cfg: VLMTrainConfig, work: Path, log: dict, kind: str) -> dict
     out.mkdir(parents=True)
     shared = work / "drafter_data.pt"  # the target's regenerated answers: the same for every drafter
     if shared.is_file():
-        try:
-            load_data(shared, dc, cfg.image_size)
+        try:  # (the key holds the target's fingerprint: answers of a retrained LM are regenerated)
+            load_data(shared, dc, cfg.image_size, target_identity(load_target_pipeline(dc.pipeline).target))
             shutil.copy(shared, out / "data.pt")
         except ValueError:  # regenerated for other --drafter-images / --answer-tokens / --image-size: regenerate
             shared.unlink()
