@@ -194,8 +194,7 @@ def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate along dim 0; LLaVA-NeXT's pixel_values [1, tiles, 3, H, W] differ in their tile
     count per image and are zero-padded to the most tiles, as its processor pads a batch (the
     model reads each image's tiles from its image_sizes)."""
-    if len({p.shape[1:] for p in parts}) > 1 and len({p.dim() for p in parts}) == 1 and parts[0].dim() >= 3 and len(
-            {p.shape[2:] for p in parts}) == 1:
+    if len({p.shape for p in parts}) > 1 and all(p.dim() >= 3 and p.shape[2:] == parts[0].shape[2:] for p in parts):
         most = max(p.shape[1] for p in parts)
         parts = [torch.cat([p, p.new_zeros(p.shape[0], most - p.shape[1], *p.shape[2:])], 1) for p in parts]
     return torch.cat(parts)
