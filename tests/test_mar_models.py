@@ -192,6 +192,33 @@ def test_official_layout_loads_strictly():
     assert MARModel.from_official({"model_ema": sd}, torch_dtype=torch.float32, **TINY).dtype == torch.float32
 
 
+class _Pickled:  # stands for any Python object a checkpoint file could carry
+    pass
+
+
+def test_official_checkpoint_file_loads_weights_only(tmp_path):
+    # MAR's misc.save_model writes model, model_ema, optimizer, epoch, scaler and the argparse args
+    import argparse
+
+    from mmspec.models.kl16 import load_kl16
+
+    sd = random_official_sd(TINY)
+    model = MARModel(**TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()  # optimizer state with tensors, as in a real file
+    path = tmp_path / "checkpoint-last.pth"
+    torch.save({"model": random_official_sd(TINY, 1), "model_ema": sd, "optimizer": opt.state_dict(), "epoch": 3,
+                "scaler": {"scale": 65536.0, "_growth_tracker": 0}, "args": argparse.Namespace(model="mar_base")}, path)
+    m = MARModel.from_official(str(path), **TINY)
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in sd.items())
+    bad = tmp_path / "other.pth"
+    torch.save({"model_ema": sd, "extra": _Pickled()}, bad)
+    for load in (lambda: MARModel.from_official(str(bad), **TINY), lambda: load_kl16(str(bad))):
+        with pytest.raises(ValueError, match="Python objects besides tensors.*if you trust the file"):
+            load()
+
+
 @pytest.mark.parametrize("variant,millions", [("mar_base", 208), ("mar_large", 479), ("mar_huge", 943)])
 def test_variants_match_official_parameter_counts(variant, millions):
     # official README: MAR-B 208M, MAR-L 479M, MAR-H 943M parameters (rounded up)

@@ -21,6 +21,8 @@ import re
 
 import torch
 
+from mmspec.models.strict_load import torch_checkpoint
+
 KL16_SCALING_FACTOR = 0.2325  # MAR engine_mar.py: latents = posterior.sample() * 0.2325
 
 
@@ -85,12 +87,13 @@ def convert_kl16_state_dict(state_dict: dict, levels: int) -> tuple[dict, list[s
 
 def load_kl16(checkpoint, torch_dtype: torch.dtype | None = None, **config):
     """`kl16.ckpt` (path, `{"model": sd}` or a bare state dict) -> diffusers AutoencoderKL,
-    strictly, in `torch_dtype` (default: the checkpoint's). `config` =
+    strictly (a path is read weights-only: a file holding other Python objects is refused, load it
+    yourself if you trust it), in `torch_dtype` (default: the checkpoint's). `config` =
     `kl16_autoencoder_kwargs` arguments for non-default sizes."""
     from diffusers import AutoencoderKL
 
     if not isinstance(checkpoint, dict):
-        checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        checkpoint = torch_checkpoint(checkpoint)  # weights only: no code from the file runs
     sd = checkpoint.get("model", checkpoint) if isinstance(checkpoint.get("model", None), dict) else checkpoint
     kwargs = kl16_autoencoder_kwargs(**config)
     vae = AutoencoderKL(**kwargs)

@@ -32,6 +32,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
 from mmspec.models.mar_diffloss import DiffLoss
+from mmspec.models.strict_load import torch_checkpoint
 from mmspec.sampling import draw
 
 # Official variants (models/mar.py `mar_base/large/huge`; diffusion-head sizes of the
@@ -304,7 +305,7 @@ class MARModel(ModelMixin, ConfigMixin):
                 raise ValueError(f"variant must be one of {sorted(MAR_VARIANTS)}, got {variant!r}")
             config = {**MAR_VARIANTS[variant], **config}
         if not isinstance(checkpoint, dict):
-            checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=False)
+            checkpoint = torch_checkpoint(checkpoint)  # weights only (the training args allowed): no code runs
         key = "model_ema" if use_ema else "model"
         if key in checkpoint:
             sd = checkpoint[key]

@@ -19,7 +19,8 @@ import torch
 def torch_checkpoint(path: Path):
     """`torch.load` of an official `.pt` / `.pth` file in weights-only mode (no code from the file
     runs), with `argparse.Namespace` allowed: LlamaGen's training scripts (train_c2i.py,
-    vq_train.py) save their `args` beside the weights, which a plain weights-only load refuses.
+    vq_train.py) and MAR's (misc.save_model) save their `args` beside the weights, which a plain
+    weights-only load refuses.
     A file holding other Python objects is refused with what to do (ValueError)."""
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
