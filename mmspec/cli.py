@@ -17,8 +17,8 @@
 
 argparse options map one to one onto the fields of the config dataclasses they build
 (`mmspec.bench.core.BenchConfig`, `mmspec.bench.pair.PairConfig`). Model and benchmark code is
-imported inside the command functions; building the parsers still loads torch, transformers and
-diffusers (a few seconds for `mmspec --help`). A ValueError or a missing path ends a command as
+imported inside the command functions; building the parsers loads torch but not transformers or
+diffusers (`mmspec --help`: about 2 s). A ValueError or a missing path ends a command as
 `mmspec CMD: message` (MMSPEC_TRACEBACK=1: the traceback).
 """
 

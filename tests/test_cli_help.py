@@ -27,6 +27,17 @@ def test_every_command_formats_its_help():
         assert text.startswith("usage: " + " ".join(path)), path
 
 
+def test_building_the_parsers_loads_no_model_library():
+    # `mmspec --help` took ~4 s while the train-imagegen parser built a config (importing diffusers)
+    import subprocess
+    import sys
+
+    code = ("import sys; from mmspec.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 @pytest.mark.parametrize("suite", sorted(SUITES))
 def test_every_bench_suite_prints_its_help(suite, capsys):
     # `mmspec bench SUITE` parses its own options (mmspec/bench/__init__.py)

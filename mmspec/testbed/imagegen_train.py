@@ -386,14 +386,14 @@ def cmd_train_imagegen(args) -> int:
 
 
 def add_imagegen_command(subparsers) -> None:
-    d = ImageGenTrainConfig()
     p = subparsers.add_parser("train-imagegen", help="train the 8x8-token VQ, the c2i GPT target and a drafter")
     p.add_argument("--out", default="assets/testbed/imagegen")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--cache", default=None, help="folder for the encoded data (default OUT/_cache)")
     p.add_argument("--judge", default=str(JUDGE_DIR))
-    for f in dataclasses.fields(ImageGenTrainConfig):
-        default = getattr(d, f.name)
+    for f in dataclasses.fields(ImageGenTrainConfig):  # the field defaults, read without building a config:
+        # __post_init__ imports the GPT model (diffusers), seconds on every `mmspec --help`
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         flag = "--" + f.name.replace("_", "-")
         if isinstance(default, tuple):
             p.add_argument(flag, nargs="+", type=type(default[0]), default=None)
