@@ -212,6 +212,8 @@ def test_official_checkpoint_file_loads_weights_only(tmp_path):
                 "scaler": {"scale": 65536.0, "_growth_tracker": 0}, "args": argparse.Namespace(model="mar_base")}, path)
     m = MARModel.from_official(str(path), **TINY)
     assert all(torch.equal(m.state_dict()[k], v) for k, v in sd.items())
+    with pytest.raises(ValueError, match="no 'model_ema' weights.*None.*use_ema=False"):
+        MARModel.from_official({"model": sd, "model_ema": None, "epoch": 3}, **TINY)  # saved without EMA
     bad = tmp_path / "other.pth"
     torch.save({"model_ema": sd, "extra": _Pickled()}, bad)
     for load in (lambda: MARModel.from_official(str(bad), **TINY), lambda: load_kl16(str(bad))):

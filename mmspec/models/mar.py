@@ -307,10 +307,11 @@ class MARModel(ModelMixin, ConfigMixin):
         if not isinstance(checkpoint, dict):
             checkpoint = torch_checkpoint(checkpoint)  # weights only (the training args allowed): no code runs
         key = "model_ema" if use_ema else "model"
-        if key in checkpoint:
+        if checkpoint.get(key) is not None:
             sd = checkpoint[key]
-        elif "model" in checkpoint or "model_ema" in checkpoint:
-            raise ValueError(f"checkpoint has no {key!r} entry (has {sorted(checkpoint)}); pass use_ema={not use_ema}")
+        elif "model" in checkpoint or "model_ema" in checkpoint:  # misc.save_model writes model_ema None without EMA
+            raise ValueError(f"checkpoint has no {key!r} weights (entries {sorted(checkpoint)}, {key!r} "
+                             f"{'None' if key in checkpoint else 'absent'}); pass use_ema={not use_ema}")
         else:
             sd = checkpoint  # a bare state dict
         model = cls(**config)
