@@ -17,8 +17,10 @@ In mmspec's loop (batched, ragged, chains and dynamic trees):
 - `features = FeatureRequest(last_hidden=True, image_features=<VLM>)`; for image targets the
   head's input embedding at image-token positions is the target's merged image feature, as
   the target's own forward sees it.
-- The prompt's pairs `(h_t, x_{t+1})`, t = 0..L-1, are run at the first `propose` (the last one
-  needs the root, which the target samples after prefill); later steps run the pairs of the
+- The prompt's pairs `(h_t, x_{t+1})`, t = 0..L-1, are run at the first `propose` that drafts
+  (the last one needs the root, which the target samples after prefill; under
+  `num_draft_tokens="auto"` plain K = 0 steps before it keep that root and their pairs for it,
+  so a request decoded plainly never runs the head); later steps run the pairs of the
   accepted path + bonus token (the target's verify features) in one catch-up forward. Draft
   positions are rolled back by not advancing the ragged cache (mmspec.RaggedKV).
 - Chains: K head forwards (tokens sampled from the head's processed distribution, q returned);
@@ -341,6 +343,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self._deferred = False  # this step drafts nothing (K = 0): the head's catch-up waits
         self._after_plain = False  # the next drafting step catches up on the pairs of plain steps
         self._plain_pairs: list = []  # (next token, feature) of plain steps, appended at the next catch-up
+        self._first_root = None
         self.draft_calls = 0
 
     def set_stop_tokens(self, token_ids) -> None:
@@ -389,6 +392,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self._deferred = False
         self._after_plain = False
         self._plain_pairs = []
+        self._first_root = None  # the root of a request's first step while plain steps defer the prompt
         self.draft_calls = 0
         if isinstance(self.controller, WindowBandit):  # per-request choice (trees): a request begins
             self.controller.begin_request()
@@ -397,20 +401,25 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         B, device = roots.shape[0], roots.device
         self._deferred = self.k == 0  # (a fixed tree's k is its num_nodes)
         if self._deferred:
-            # Plain decoding this step. The prompt is run now if it has not been (it needs the
-            # root); later pairs wait in `pending` and the next drafting step catches up on all.
-            if self.kv is None:
-                self._prefill_head(roots)
-                H = self.head.config.hidden_size
-                self.pending_tokens = roots.new_zeros(B, 0)
-                self.pending_hidden = torch.zeros(B, 0, H, dtype=self.spec.dtype, device=device)
-                self.pending_count = roots.new_zeros(B)
-                self.pending_host = [0] * B
+            # Plain decoding this step: the head runs nothing. The step's pairs wait and the next
+            # drafting step catches up on all of them; the prompt too waits for that step (its
+            # last pair needs the first root, kept), so a request decoded plainly throughout never
+            # runs the head at all.
+            if self.kv is None and self._first_root is None:
+                self._first_root = roots
             self._after_plain = True
             return Draft(tokens=roots.new_zeros(B, 0), parents=roots.new_zeros(B, 0), is_chain=True)
         if self.controller is not None and (self.kv is None or self._after_plain):
             self.controller.skip_draft_cost_once()  # prompt prefill / catch-up: one-off, not the per-step cost
         self._after_plain = False
+        if self.kv is None and self._first_root is not None:  # plain steps came first: the prompt, then them
+            self._prefill_head(self._first_root)
+            self._first_root = None
+            H = self.head.config.hidden_size
+            self.pending_tokens = roots.new_zeros(B, 0)
+            self.pending_hidden = torch.zeros(B, 0, H, dtype=self.spec.dtype, device=device)
+            self.pending_count = roots.new_zeros(B)
+            self.pending_host = [0] * B
         feats = self._prefill_head(roots) if self.kv is None else self._catch_up(roots)  # [B, H] at the root
         logits = self.logits(feats)
         if self.tree is not None:
@@ -464,9 +473,12 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self.pending_host = [a + 1 for a in n_host]
 
     def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
-        if self.kv is None:  # rows ended with the prefill token: the prompt is not run yet
+        if self.kv is None:  # the prompt is not run yet (rows ended at prefill or in plain steps)
             ids, mask, hidden, embeds = self._prompt
             self._prompt = (ids[rows], mask[rows], hidden[rows], embeds[rows])
+            if self._first_root is not None:
+                self._first_root = self._first_root.index_select(0, rows)
+            self._plain_pairs = [(t.index_select(0, rows), h.index_select(0, rows)) for t, h in self._plain_pairs]
             return
         self._flush()
         self.kv.select_rows(rows, rows_host)

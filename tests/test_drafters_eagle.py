@@ -299,6 +299,28 @@ def test_auto_draft_length_greedy_equals_generate(llava, kind, script):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_plain_steps_first_defer_the_heads_prompt(llava, kind):
+    """A request that starts with plain (K = 0) steps does not run the head's prompt prefill
+    until it drafts: decoded plainly throughout, the head never runs; a row that ends (EOS at
+    its 7th token) before the first drafting step is dropped from the waiting prompt and pairs,
+    and greedy output still equals plain decoding."""
+    model, _ = llava
+    head_cls, drafter_cls = KINDS[kind]
+    torch.manual_seed(0)
+    head = head_cls(EagleHeadConfig.for_target(model, kind=kind)).double()
+    drafter = drafter_cls(model, head, "auto", max_draft_tokens=5)
+    drafter.controller = ScriptedK([0])
+    out = greedy_rows_equal_plain(model, drafter)
+    assert set(out.stats.nodes_per_step) == {0} and drafter.draft_calls == 0
+    drafter.controller = ScriptedK([0] * 9 + [3, 2, 3, 3, 3])
+    out = greedy_rows_equal_plain(model, drafter)
+    ks = out.stats.nodes_per_step
+    assert ks[:9] == [0] * 9 and any(k > 0 for k in ks[9:]) and drafter.draft_calls > 0
+    # (that those late drafts equal an eager head's: test_deferred_catch_up_drafts_like_an_eager_head)
+    assert drafter.controller.skipped == [9]  # the deferred prompt + catch-up: one-off cost
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
 def test_plain_step_after_the_row_with_the_longest_pending_path_ended(llava, kind):
     """A drafting step leaves pending lists as wide as its longest accepted path; when that row
     ends and is dropped, the next plain (K = 0) step appends to lists wider than the remaining
