@@ -415,8 +415,14 @@ class _Loop:
             self._drop(emitter, keep)
         t3 = self.timer.mark()
         if self.controller is not None:
-            # Host clocks: the step's sync (in emit) has completed the verify work by h2.
-            seconds = ((h1 - h0) + (time.perf_counter() - h2), h2 - h1)
+            # Host clocks: the step's sync (in emit) has completed the verify work by h2. On CUDA
+            # the drafter's kernels run after propose returns and finish inside that wait, so its
+            # share comes from the step's events (done by that sync: no sync added here).
+            drafted = self.timer.completed_span(t0, t1)
+            if drafted is None:
+                seconds = ((h1 - h0) + (time.perf_counter() - h2), h2 - h1)
+            else:
+                seconds = (drafted + (time.perf_counter() - h2), max(h2 - h0 - drafted, 0.0))
             if draft.is_chain:  # a chain that ended at EOS drafted fewer than k: learn what ran
                 k = min(k, draft.tokens.shape[1])
             emitted_hook = getattr(self.controller, "observe_emitted", None)

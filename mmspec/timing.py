@@ -3,7 +3,8 @@
 On CPU a phase's time is the host clock between its marks. On CUDA the host runs ahead of
 the GPU, so host clocks would charge drafter kernels to whichever phase first synchronises
 (usually verify). `PhaseTimer` records CUDA events instead (no host sync per step) and
-resolves them once, at the end of the run.
+resolves them once, at the end of the run; `completed_span` reads a span the step's own sync
+has completed (the adaptive controller's per-step draft cost).
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ class PhaseTimer:
             event.record()
             return event
         return time.perf_counter()
+
+    def completed_span(self, start, end) -> float | None:
+        """Seconds between two CUDA marks whose work has completed (after a step's sync), without
+        synchronising; None on CPU or while `end` is still pending on the device."""
+        if not self.cuda or not end.query():
+            return None
+        return start.elapsed_time(end) / 1000.0
 
     def charge(self, phase: str, start, end) -> None:
         if self.cuda:
