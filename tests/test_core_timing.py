@@ -5,7 +5,6 @@ events, which that sync has completed; a span still pending falls back to the ho
 
 from __future__ import annotations
 
-import torch
 
 import mmspec
 import mmspec.engine as engine
