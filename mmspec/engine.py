@@ -279,6 +279,10 @@ def speculative_generate(
             "must share the target's tokenizer and vocabulary size"
         )
     position_limit = _check_positions(target, drafter, input_ids.shape[1], max_new_tokens)
+    most = getattr(target, "max_output_tokens", None)
+    if most is not None and max_new_tokens > most:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is more than the {most} tokens target "
+                         f"{type(target).__name__} generates (an image's token grid); lower max_new_tokens to {most}")
     if not features.empty and not getattr(target, "supports_features", False):
         raise TypeError(
             f"drafter {type(drafter).__name__} reads target features {features} but target {type(target).__name__} "

@@ -70,6 +70,7 @@ class GuidedTarget:
         # A position table (GPT-2's) bounds the conditional rows through the loop's own check; the
         # unconditional rows, whose prompts may be longer, are checked at prefill.
         self.max_positions = getattr(self.target, "max_positions", None)
+        self.max_output_tokens = getattr(self.target, "max_output_tokens", None)
         self.supports_features = getattr(self.target, "supports_features", False)
         self.uncond_input_ids = uncond_input_ids
         self.uncond_attention_mask = uncond_attention_mask

@@ -49,6 +49,8 @@ class ForwardSpec:
     compilable: bool = True
     # Positions a learned absolute position table can index (GPT-2's 1024); None: no such bound.
     max_positions: int | None = None
+    # Tokens a request can generate at most (an image generator's token grid); None: no bound.
+    max_output_tokens: int | None = None
     # Set by the runner: eager CPU step forwards may choose their attention form by measurement
     # (mmspec/cpu_attention.py); specs that support it read this flag.
     cpu_attention: bool = False

@@ -67,6 +67,7 @@ class SpecTarget:
         self.spec = spec
         self.vocab_size = spec.vocab_size
         self.max_positions = spec.max_positions
+        self.max_output_tokens = spec.max_output_tokens
         self.static, options = static_and_compile(static, compile)
         self.runner = SpecRunner(spec, static=self.static, compile=options, attention=attention)
         self.queries: int | None = None  # static: the fixed verify query count of the request

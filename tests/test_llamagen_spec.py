@@ -68,6 +68,24 @@ def test_bad_requests_are_refused():
         llamagen_target(gpt, 3.0, cfg_schedule="cosine")
     with pytest.raises(ValueError, match="codebook"):
         llamagen_target(gpt, 1.0, codebook=torch.zeros(5, 4))
+    # More tokens than the image grid (block_size 16): tokens 17.. were computed at a clamped
+    # position and returned (the plain sampler refuses the same request); guided or not.
+    for t in (target, llamagen_target(gpt, 3.0)):
+        with pytest.raises(ValueError, match="max_new_tokens=17 is more than the 16 tokens.*lower max_new_tokens to 16"):
+            mmspec.speculative_generate(t, drafter, torch.tensor([[1]]), temperature=0, max_new_tokens=17)
+    for n in (0, 17, 2.5):
+        with pytest.raises(ValueError, match="num_tokens=.*block_size=16"):
+            llamagen_target(gpt, 3.0, cfg_schedule="linear", num_tokens=n)
+
+
+def test_linear_schedule_stays_at_its_scale_past_num_tokens():
+    from mmspec.models.llamagen_sample import cfg_scale_at
+    from mmspec.models.llamagen_spec import cfg_schedule_fn
+
+    schedule = cfg_schedule_fn("linear", 4.0, 8)
+    got = schedule(torch.arange(16)).tolist()
+    assert got[:8] == [cfg_scale_at("linear", 4.0, i, 8) for i in range(8)]  # the plain sampler's arithmetic
+    assert got[8:] == [4.0] * 8  # was 1 + 3 * i / 7, up to 7.43 at token 15
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0])

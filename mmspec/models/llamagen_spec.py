@@ -20,7 +20,8 @@ Acceptance tables: the targets built here expose `acceptance_tables()`, so the n
 what they need: `"gsd"` the GPT's input token embeddings, `"lantern"` the VQ codebook when one
 is given (`codebook=`, e.g. `LlamaGenVQ.codebook()`).
 
-Limits: c2i with one class token (what the GPT supports); positions past the last image token
+Limits: c2i with one class token (what the GPT supports); a request for more tokens than the
+image grid (`block_size`) is refused (`max_output_tokens`); positions past the last image token
 (drafts beyond the end of an image) are clamped to the last table row: their outputs can only
 influence tokens past the end, which the loop never emits.
 """
@@ -38,6 +39,7 @@ from mmspec.models.eval_mode import check_eval_mode
 from mmspec.models.llamagen_sample import check_guidance_scale
 from mmspec.models.prepack import for_rows, kernels_of, maybe_packed, refresh
 from mmspec.ragged import Attention, RaggedKV
+from mmspec.sampling import plain_number
 from mmspec.spec import ForwardSpec, SpecOutput
 from mmspec.spec_target import SpecTarget
 from mmspec.types import FeatureRequest
@@ -69,6 +71,7 @@ class LlamaGenSpec(ForwardSpec):
         self.has_null_class = gpt.args.has_null_class
         self.dtype = gpt.tok_embeddings.weight.dtype
         self.last_position = gpt.seq_len - 1
+        self.max_output_tokens = gpt.args.block_size  # the image grid (the loop refuses more)
 
     # ---- per request -----------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
@@ -162,12 +165,14 @@ def null_class_uncond(num_classes: int) -> Callable:
 def cfg_schedule_fn(schedule: str, scale: float, num_tokens: int) -> Callable[[torch.Tensor], Any] | float:
     """The guidance scale as `GuidedTarget` takes it: a number (constant) or a callable of the
     predicted image-token index ([B, Q] long; 0 = the first image token), with the same
-    arithmetic as `llamagen_sample.cfg_scale_at` (so greedy outputs agree bit for bit)."""
+    arithmetic as `llamagen_sample.cfg_scale_at` (so greedy outputs agree bit for bit). "linear"
+    reaches `scale` at token num_tokens - 1 and stays there for any token after it (a request
+    longer than `num_tokens`), rather than growing past it."""
     if schedule == "constant":
         return float(scale)
     if schedule == "linear":
         s, denom = float(scale), max(int(num_tokens) - 1, 1)
-        return lambda index: 1.0 + (s - 1.0) * (index.to(torch.float64) / denom)
+        return lambda index: 1.0 + (s - 1.0) * (index.clamp(max=denom).to(torch.float64) / denom)
     raise ValueError(f"cfg_schedule={schedule!r}: must be one of {CFG_SCHEDULES}")
 
 
@@ -232,7 +237,10 @@ def llamagen_target(
     constant / linear schedule over `num_tokens` image tokens (default: the GPT's block size).
     `prepack`: see `LlamaGenSpec`. Refuses guidance on a GPT without a null class (ValueError)."""
     check_guidance_scale(guidance_scale)
-    num_tokens = gpt.args.block_size if num_tokens is None else int(num_tokens)
+    num_tokens = gpt.args.block_size if num_tokens is None else plain_number(num_tokens)
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or not 1 <= num_tokens <= gpt.args.block_size:
+        raise ValueError(f"num_tokens={num_tokens!r}: must be an int in [1, block_size={gpt.args.block_size}] (the "
+                         "image tokens the guidance schedule spans)")
     schedule = cfg_schedule_fn(cfg_schedule, guidance_scale, num_tokens)  # validates the name
     if not guidance_needed(guidance_scale, cfg_schedule):
         return LlamaGenTarget(gpt, codebook=codebook, prepack=prepack)
