@@ -153,7 +153,14 @@ class GuidedTarget:
             torch.cat([c_ids, u_ids]), torch.cat([c_mask, u_mask]), inputs, max_new_tokens, max_draft_nodes, features
         )
         self.generated = torch.ones(B, dtype=torch.long, device=input_ids.device)
-        return self._guide(out, torch.zeros(B, 1, dtype=torch.long, device=input_ids.device))
+        result = self._guide(out, torch.zeros(B, 1, dtype=torch.long, device=input_ids.device))
+        extra = L - input_ids.shape[1]
+        if extra:  # longer unconditional prompts padded the conditional rows: the drafter's features
+            # must line up with the input_ids it was given (the padding added columns at the front)
+            result.hidden_states = None if result.hidden_states is None else result.hidden_states[:, extra:]
+            result.layer_states = {i: h[:, extra:] for i, h in result.layer_states.items()}
+            result.positions = None if result.positions is None else result.positions[..., extra:]
+        return result
 
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> TargetOutput:
         from mmspec.spec_target import tree_visibility

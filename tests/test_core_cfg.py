@@ -22,11 +22,11 @@ def uncond_prompts(B):
 
 
 @torch.no_grad()
-def reference_cfg_greedy(model, ids, mask, n, scale_at):
+def reference_cfg_greedy(model, ids, mask, n, scale_at, uncond=(UNCOND,)):
     rows = []
     for b in range(ids.shape[0]):
         c = ids[b][mask[b].bool()].unsqueeze(0)
-        u = torch.tensor([[UNCOND]])
+        u = torch.tensor([list(uncond)])
         for i in range(n):
             lc, lu = model(input_ids=c).logits[0, -1], model(input_ids=u).logits[0, -1]
             s = scale_at(i)
@@ -76,6 +76,36 @@ def test_guided_rows_leave_together(target, weak_drafter):
         assert out.sequences[b, ids.shape[1]: ids.shape[1] + cut].tolist() == row[:cut]
         assert out.stats.new_tokens[b] == cut
     assert out.stats.new_tokens[1] <= 4 and len(set(out.stats.new_tokens)) > 1  # rows left at different steps
+
+
+def test_feature_drafters_under_longer_unconditional_prompts(target):
+    """Unconditional prompts longer than the conditional rows pad those rows further at prefill:
+    an EAGLE head got features [B, L_uncond, H] beside its [B, L_cond] input ids (a raw size
+    error). The features it gets line up with its ids (equal to the target's own, unguided,
+    at the real tokens), and greedy output equals the reference CFG loop."""
+    from mmspec.drafters import EagleHead, EagleHeadConfig, EagleHeadDrafter
+
+    ids, mask = left_padded([5, 3, 4])
+    uncond = (UNCOND, 7, 8, 9, 10, 11, 12, 13)  # 8 tokens > the longest conditional prompt (5)
+    ref = reference_cfg_greedy(target, ids, mask, N, lambda i: 3.0, uncond)
+    torch.manual_seed(0)
+    drafter = EagleHeadDrafter(target, EagleHead(EagleHeadConfig.for_target(target)).double(), 3)
+    seen = {}
+    prefill = drafter.prefill
+
+    def spy(input_ids, attention_mask, target_out, *args, **kwargs):
+        seen["ids"], seen["hidden"] = input_ids, target_out.hidden_states
+        return prefill(input_ids, attention_mask, target_out, *args, **kwargs)
+
+    drafter.prefill = spy
+    guided = mmspec.GuidedTarget(target, 3.0, uncond_input_ids=torch.tensor([list(uncond)] * 3))
+    out = mmspec.speculative_generate(guided, drafter, ids, mask, temperature=0, max_new_tokens=N)
+    assert torch.equal(out.sequences[:, ids.shape[1]:], ref)
+    assert seen["hidden"].shape[:2] == ids.shape
+    with torch.no_grad():
+        own = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    real = mask.bool()
+    assert torch.allclose(seen["hidden"][real], own[real], atol=1e-9)
 
 
 def test_guided_target_refuses_bad_arguments(target):
