@@ -41,6 +41,17 @@ class _GuidedRunner:
         self.schedule = schedule
         self.make_uncond = make_uncond
         self.prompt_len: torch.Tensor | None = None  # [B] logical prompt length of the conditional rows
+        self.uncond: tuple[torch.Tensor, torch.Tensor] | None = None  # the request's unconditional (ids, mask)
+
+    def take_uncond(self, input_ids, attention_mask, model_inputs: dict[str, Any]) -> None:
+        """Build the unconditional prompts when the request starts, with every row: an adaptive
+        drafter runs its prompt prefill later (the first step that drafts), when rows that ended
+        have left, and a `make_uncond` holding per-row prompts would not match them then."""
+        u_ids, u_mask, _ = self.make_uncond(input_ids, attention_mask, model_inputs)
+        if u_ids.dim() != 2 or u_ids.shape != input_ids.shape:
+            raise ValueError("GuidedModelDrafter: unconditional prompts must have the conditional prompts' shape "
+                             f"{tuple(input_ids.shape)} (one per row, the same length), got {tuple(u_ids.shape)}")
+        self.uncond = (u_ids, u_mask.to(attention_mask.dtype))
 
     @property
     def kv(self):
@@ -56,11 +67,11 @@ class _GuidedRunner:
 
     def prefill(self, input_ids, attention_mask, max_slots: int, model_inputs: dict[str, Any], features=None):
         B = input_ids.shape[0]
-        u_ids, u_mask, _ = self.make_uncond(input_ids, attention_mask, model_inputs)
-        if u_ids.shape[1] != input_ids.shape[1]:
-            raise ValueError("GuidedModelDrafter: unconditional prompts must have the conditional prompts' length "
-                             f"({input_ids.shape[1]}), got {u_ids.shape[1]}")
-        out = self.inner.prefill(torch.cat([input_ids, u_ids]), torch.cat([attention_mask, u_mask.to(attention_mask.dtype)]),
+        if self.uncond is None:  # (a runner used on its own)
+            self.take_uncond(input_ids, attention_mask, model_inputs)
+        u_ids, u_mask = self.uncond  # the request's rows still running (take_uncond, select_rows)
+        self.uncond = None
+        out = self.inner.prefill(torch.cat([input_ids, u_ids]), torch.cat([attention_mask, u_mask]),
                                  max_slots, {}, features)
         self.prompt_len = attention_mask.long().sum(1)
         index = torch.zeros(B, 1, dtype=torch.long, device=input_ids.device)
@@ -93,7 +104,9 @@ class GuidedModelDrafter(ModelDrafter):
     "auto"` as for `ModelDrafter`: K chosen before every step). `guidance_scale`
     is a number or a schedule callable (as `GuidedTarget` takes it); `make_uncond(input_ids,
     attention_mask, model_inputs) -> (ids, mask, model_inputs)` builds the unconditional prompts
-    (same length as the conditional ones)."""
+    (same shape as the conditional ones), once, when a request starts (with all its rows, as
+    `GuidedTarget` calls it), even where the drafter's prompt prefill waits for its first
+    drafting step."""
 
     def __init__(self, model, guidance_scale, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None, *,
                  make_uncond: Callable, max_draft_tokens: int | None = None, prepack="auto"):
@@ -111,3 +124,12 @@ class GuidedModelDrafter(ModelDrafter):
         if not callable(make_uncond):
             raise TypeError("GuidedModelDrafter needs make_uncond(input_ids, attention_mask, model_inputs)")
         self.runner = _GuidedRunner(self.runner, schedule, make_uncond)
+
+    def prefill(self, input_ids, attention_mask, target_out, model_inputs: dict[str, Any], max_new_tokens: int):
+        self.runner.take_uncond(input_ids, attention_mask, model_inputs)
+        super().prefill(input_ids, attention_mask, target_out, model_inputs, max_new_tokens)
+
+    def select_rows(self, rows: torch.Tensor, rows_host: list[int]) -> None:
+        if self.runner.uncond is not None:  # the prompt prefill is still deferred: its rows leave too
+            self.runner.uncond = tuple(t.index_select(0, rows) for t in self.runner.uncond)
+        super().select_rows(rows, rows_host)

@@ -118,3 +118,38 @@ def test_runner_refuses_a_last_only_it_cannot_honour():
     for bad in (0, 5, -1, 2.0):
         with pytest.raises(ValueError, match=r"last_only must be a bool or an int in 1\.\.4"):
             drafter.runner.forward(tokens, depth, vis, 0, last_only=bad, sees_region=True)
+
+
+def test_per_row_unconditional_prompts_survive_a_deferred_prefill(target, good_drafter):
+    """Under "auto" the drafter's prompt prefill waits for its first drafting step; rows that
+    ended before it have left by then. `make_uncond` holding per-row prompts (the same callable
+    GuidedTarget takes) is called once, with every row, when the request starts: it was called at
+    the deferred prefill with fewer rows (a raw size error). Greedy output equals plain guided
+    decoding (NullDrafter)."""
+    from mmspec.adaptive import DraftLengthController
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    from conftest import left_padded
+
+    ids, mask = left_padded([5, 3, 4], seed=11)
+    u_ids = torch.tensor([[0, 0, 1, 7, 8], [0, 0, 0, 1, 9], [0, 0, 0, 1, 4]])
+    calls = []
+
+    def make_uncond(input_ids, attention_mask, model_inputs):
+        calls.append(input_ids.shape[0])
+        return u_ids, (u_ids != 0).long(), model_inputs
+
+    guided = mmspec.GuidedTarget(target, 3.0, make_uncond=make_uncond)
+    plain = mmspec.speculative_generate(guided, NullDrafter(target.config.vocab_size), ids, mask, temperature=0,
+                                        max_new_tokens=12).sequences
+    eos = int(plain[1, ids.shape[1]])  # row 1 ends with its first token
+    ref = mmspec.speculative_generate(guided, NullDrafter(target.config.vocab_size), ids, mask, temperature=0,
+                                      max_new_tokens=12, eos_token_id=eos, pad_token_id=0).sequences
+    drafter = GuidedModelDrafter(good_drafter, 3.0, "auto", max_draft_tokens=3, make_uncond=make_uncond)
+    drafter.controller = DraftLengthController(3, warmup=(0, 0, 3, 3, 0, 2) * 3, probe_every=0)
+    calls.clear()
+    out = mmspec.speculative_generate(guided, drafter, ids, mask, temperature=0, max_new_tokens=12, eos_token_id=eos,
+                                      pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
+    assert calls == [3, 3]  # the target's and the drafter's, both with every row
+    assert out.stats.new_tokens[1] == 1 and out.stats.accepted_drafts > 0
