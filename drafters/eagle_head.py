@@ -89,15 +89,25 @@ class EagleHeadConfig:
 
     @classmethod
     def for_target(cls, model, **overrides) -> "EagleHeadConfig":
-        """A head at the target's width (heads and MLP size from its text config)."""
+        """A head at the target's width (heads and MLP size from its text config; a config without
+        `intermediate_size`, GPT-2's, gives `n_inner` or 4 x hidden). `overrides` replace fields,
+        and a field the config lacks must be given there (ValueError naming it otherwise)."""
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         image_token = getattr(model.config, "image_token_id", getattr(model.config, "image_token_index", None))
+
+        def read(name):
+            value = getattr(text, name, None)
+            if value is None and name not in overrides:
+                raise ValueError(f"EagleHeadConfig.for_target: the target's config ({type(text).__name__}) has no "
+                                 f"{name!r}; pass {name}=... as an override")
+            return value
+
+        width, heads = (overrides.get(n) or read(n) for n in ("hidden_size", "num_attention_heads"))
         values = dict(
-            hidden_size=int(text.hidden_size), intermediate_size=int(text.intermediate_size),
-            num_attention_heads=int(text.num_attention_heads),
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
-            vocab_size=int(text.vocab_size), image_token_id=None if image_token is None else int(image_token),
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)), target_model_type=str(model.config.model_type),
+            hidden_size=int(width), intermediate_size=int(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * int(width)),
+            num_attention_heads=heads, num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            vocab_size=read("vocab_size"), image_token_id=None if image_token is None else int(image_token),
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6), target_model_type=str(model.config.model_type),
         )
         values.update(overrides)
         return cls(**values)

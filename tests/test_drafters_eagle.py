@@ -12,6 +12,7 @@ import torch
 import mmspec
 from mmspec.drafters import EagleHead, EagleHeadConfig, EagleHeadDrafter, ViSpecDrafter, ViSpecHead
 
+from _eagle_helpers import distilled_head, llava_test_head
 from _vlm_helpers import assert_rows_equal
 from test_vlm_llava import IMG, llava, llava_batch, row_by_row  # noqa: F401 (fixture)
 from test_vlm_qwen2vl import qwen  # noqa: F401 (fixture: saved and re-loaded, float64)
@@ -65,10 +66,34 @@ def test_eagle_head_on_a_text_lm(target, tree):
     ids, mask = left_padded([7, 3, 5, 6])
     ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0,
                           eos_token_id=None)
-    drafter = make(target, "eagle", tree)
+    drafter = EagleHeadDrafter(target, distilled_head(target, "eagle", ids, mask), 3, tree=tree)
     assert drafter.features == mmspec.FeatureRequest(last_hidden=True)  # no image features for a text LM
     out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
     assert torch.equal(out.sequences, ref)
+    assert 0 < out.stats.accepted_drafts < out.stats.drafted_nodes  # drafts kept and drafts rejected
+
+
+def test_eagle_head_for_a_gpt2_target():
+    """GPT-2's config names its MLP width n_inner (None: 4 x hidden), not intermediate_size:
+    for_target raised a raw AttributeError. A head built for it drafts losslessly."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from conftest import left_padded
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=64)).double().eval()
+    config = EagleHeadConfig.for_target(model)
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads) == (32, 128, 4)
+    assert EagleHeadConfig.for_target(model, intermediate_size=48).intermediate_size == 48
+    ids, mask = left_padded([6, 3, 5], vocab=64)
+    ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0,
+                         eos_token_id=None)
+    drafter = EagleHeadDrafter(model, distilled_head(model, "eagle", ids, mask), 3)
+    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=10)
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.accepted_drafts > 0
+    with pytest.raises(ValueError, match="has no 'num_attention_heads'; pass num_attention_heads=... as an override"):
+        EagleHeadConfig.for_target(type("M", (), {"config": type("C", (), {"hidden_size": 32, "model_type": "x"})()})())
 
 
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
@@ -282,14 +307,12 @@ def test_auto_draft_length_greedy_equals_generate(llava, kind, script):
     """num_draft_tokens='auto': whatever K the loop picks per step (0 = plain decoding, the
     head's catch-up deferred), greedy output equals plain greedy decoding, batched, ragged."""
     model, _ = llava
-    head_cls, drafter_cls = KINDS[kind]
-    torch.manual_seed(0)
-    head = head_cls(EagleHeadConfig.for_target(model, kind=kind)).double()
-    drafter = drafter_cls(model, head, "auto", max_draft_tokens=5)
+    drafter = KINDS[kind][1](model, llava_test_head(model, kind), "auto", max_draft_tokens=5)
     assert drafter.adaptive and drafter.max_draft_nodes == 5
     drafter.controller = ScriptedK(script)
     out = greedy_rows_equal_plain(model, drafter)
     assert 0 in drafter.controller.seen and max(drafter.controller.seen) >= 3
+    assert 0 < out.stats.accepted_drafts < out.stats.drafted_nodes  # drafts kept and drafts rejected
     # One-off drafting work is flagged exactly at the drafting steps that follow plain steps
     # (or run the head's prompt prefill), never at a step that drafted after a drafting step.
     ks = out.stats.nodes_per_step
@@ -389,8 +412,7 @@ def test_auto_draft_length_exact_sampling(llava):
     enumerated joint of plain sampling (chi-square) and a hotter joint is rejected."""
     model, ids, pixels, joint = sharp_llava_and_joint(llava)
     n = 3000
-    torch.manual_seed(0)
-    head = EagleHead(EagleHeadConfig.for_target(model, kind="eagle")).double()
+    head = distilled_head(model, "eagle", ids, torch.ones_like(ids), {"pixel_values": pixels})
     drafter = EagleHeadDrafter(model, head, "auto", max_draft_tokens=2)
     drafter.controller = ScriptedK([0, 2, 1])
     out = mmspec.speculative_generate(model, drafter, ids.expand(n, -1), acceptance="exact", temperature=1.0, top_k=4,
@@ -398,6 +420,8 @@ def test_auto_draft_length_exact_sampling(llava):
                                       generator=torch.Generator().manual_seed(13))
     assert_sampled_like(out, ids, joint, n)
     assert {0, 2} <= set(out.stats.nodes_per_step)  # plain and drafting steps both ran
+    s = out.stats  # (an untrained head drafted outside the top 4: no draft was ever accepted)
+    assert 0.05 * s.drafted_nodes < s.verified_accepted < 0.9 * s.drafted_nodes  # 876 of 6000 when written
 
 
 def test_auto_draft_length_refusals(llava):

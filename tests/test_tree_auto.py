@@ -90,15 +90,16 @@ def test_tree_size_changing_every_step_stays_greedy_exact(llava, kind):
 
         drafter = ModelDrafter(_text_only(model), tree=tree)
     else:
-        head_cls, drafter_cls = KINDS[kind]
-        torch.manual_seed(0)
-        drafter = drafter_cls(model, head_cls(EagleHeadConfig.for_target(model, kind=kind)).double(), tree=tree)
+        from _eagle_helpers import llava_test_head
+
+        drafter = KINDS[kind][1](model, llava_test_head(model, kind), tree=tree)
     assert drafter.adaptive and isinstance(drafter.controller, WindowBandit)
     script = [0, 0, 4, 0, 2, 6, 0, 1, 6]
     drafter.controller = ScriptedK(script)
     out = greedy_rows_equal_plain(model, drafter)
     ks = out.stats.nodes_per_step
     assert ks[: len(script)] == script[: len(ks)] and len(ks) > 4
+    assert 0 < out.stats.accepted_drafts < out.stats.drafted_nodes  # drafts kept and drafts rejected
 
 
 def test_the_tree_bandit_scores_tokens_that_reached_the_output(target, good_drafter):
