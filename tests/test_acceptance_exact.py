@@ -22,10 +22,30 @@ def test_exact_output_follows_target_with_sampled_draft():
 
 
 def test_exact_output_follows_target_with_one_hot_draft():
-    gen = torch.Generator().manual_seed(1)
-    p = random_dist(6, gen)
-    _, res, first = one_step(ExactAcceptance(), p, None, N // 2, gen)
-    assert chi_square_pvalue(first, p) > P_MIN
+    """Deterministic (one-hot) drafts, drawn from a skewed law: with uniformly drawn drafts a rule
+    that resamples from p itself (the rejected draft not removed) or accepts with alpha^2 also
+    emits exactly p, so the test could not see either; here both are rejected (power)."""
+    from mmspec.sampling import normalize
+
+    class ResidualIsP(ExactAcceptance):
+        def residual(self, x, p, q):
+            return normalize(p.clone(), p)
+
+    class AcceptSquared(ExactAcceptance):
+        def accept_probability(self, x, p, q):
+            return super().accept_probability(x, p, q) ** 2
+
+    p = random_dist(6, torch.Generator().manual_seed(1))
+    skew = dist([0.5, 0.1, 0.1, 0.1, 0.1, 0.1])
+
+    def emitted(rule):
+        gen = torch.Generator().manual_seed(1)
+        x = torch.multinomial(skew.expand(N // 2, 6), 1, replacement=True, generator=gen)[:, 0]
+        return one_step(rule, p, None, N // 2, gen, x=x)[2]
+
+    assert chi_square_pvalue(emitted(ExactAcceptance()), p) > P_MIN
+    for broken in (ResidualIsP(), AcceptSquared()):
+        assert chi_square_pvalue(emitted(broken), p) < P_MIN
 
 
 def test_exact_bonus_token_follows_the_last_target_distribution():

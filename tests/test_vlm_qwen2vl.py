@@ -244,9 +244,11 @@ def test_qwen25vl_greedy_equals_generate_row_by_row(tmp_path, tree):
     refs = reference(model, ids, mask, pixels, grid, 10, eos=None)
     target = mmspec.models.HFTarget(model)
     assert isinstance(target.spec, Qwen2VLSpec)
-    out = mmspec.speculative_generate(target, (ModelDrafter(weak_drafter(), tree=tree) if tree else ModelDrafter(weak_drafter(), 3)), ids, mask, temperature=0,
-                                      max_new_tokens=10, pixel_values=pixels, image_grid_thw=grid)
+    dm = text_drafter(model)  # the VLM's own language model: drafts kept and (1-D positions) drafts rejected
+    out = mmspec.speculative_generate(target, (ModelDrafter(dm, tree=tree) if tree else ModelDrafter(dm, 3)), ids, mask,
+                                      temperature=0, max_new_tokens=10, pixel_values=pixels, image_grid_thw=grid)
     assert_rows_equal(out.sequences, ids.shape[1], refs)
+    assert 0 < out.stats.accepted_drafts < out.stats.drafted_nodes
     flat = mmspec.speculative_generate(mmspec.SpecTarget(HFSpec(model)), ModelDrafter(weak_drafter(), 3), ids, mask,
                                        temperature=0, max_new_tokens=10, pixel_values=pixels, image_grid_thw=grid,
                                        mm_token_type_ids=(ids == IMG).int())
@@ -258,9 +260,12 @@ def test_qwen2vl_text_only_prompts(qwen):
     """No image inputs: M-RoPE streams all equal the logical position (deltas 0)."""
     from conftest import left_padded
 
+    from conftest import noisy_copy
+
     ids, mask = left_padded([5, 8, 3], vocab=50)
-    out = mmspec.speculative_generate(qwen, ModelDrafter(weak_drafter(), 3), ids, mask, temperature=0,
-                                      max_new_tokens=8)
+    out = mmspec.speculative_generate(qwen, ModelDrafter(noisy_copy(text_drafter(qwen), 0.3), 3), ids, mask,
+                                      temperature=0, max_new_tokens=8)
+    assert 0 < out.stats.accepted_drafts < out.stats.drafted_nodes  # drafts kept and drafts rejected
     for b in range(3):
         real = ids[b][mask[b].bool()].unsqueeze(0)
         ref = qwen.generate(input_ids=real, attention_mask=torch.ones_like(real), do_sample=False, max_new_tokens=8,
