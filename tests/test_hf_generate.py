@@ -59,6 +59,22 @@ def test_custom_generate_refuses_unsupported_processors(target, good_drafter):
         target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, custom_generate=speculative_decoding)
 
 
+def test_minimum_lengths_that_cannot_act_are_let_through(target, good_drafter):
+    """generate builds a minimum-length processor for min_new_tokens=0 and for a min_length the
+    prompt already reaches; they change nothing and were refused as unsupported. One that can act
+    is still refused."""
+    ids, mask = left_padded([7, 4])
+    kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=5)
+    ref = target.generate(**kw)
+    for extra in (dict(min_new_tokens=0), dict(min_length=ids.shape[1])):
+        assert torch.equal(target.generate(**kw, **extra), ref)
+        out = target.generate(**kw, **extra, custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
+        assert torch.equal(out, ref)
+    for extra in (dict(min_new_tokens=2), dict(min_length=ids.shape[1] + 2)):
+        with pytest.raises(ValueError, match="MinLengthLogitsProcessor|MinNewTokensLengthLogitsProcessor"):
+            target.generate(**kw, **extra, custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
+
+
 # ---- options generate() hands to the callable: honoured exactly, or refused by name ----------
 
 def _gen(model, drafter_model, **kw):

@@ -21,8 +21,9 @@ of `pixel_values`; the model's prefill merges them as it would the pixels).
 
 Refused with a ValueError naming the option (never silently ignored): beam search and the
 other decoding modes (`num_beams > 1`, `penalty_alpha`, `dola_layers`, prompt lookup),
-`max_time`, any other logits processor or stopping criterion (repetition penalty,
-stop strings, ...: they would change the target distribution in a way the acceptance
+`max_time`, any other logits processor or stopping criterion (repetition penalty, a
+minimum length that can act, stop strings, ...: `min_new_tokens=0` or a `min_length` the prompt
+reaches changes nothing and is let through; they would change the target distribution in a way the acceptance
 rule must see per draft position), warpers with a non-default `filter_value` /
 `min_tokens_to_keep`, warpers under greedy decoding, `output_scores` / `output_logits` /
 `output_attentions` / `output_hidden_states` with `return_dict_in_generate`, `streamer`,
@@ -80,10 +81,23 @@ def _check_mode(cfg) -> None:
             )
 
 
-def _sampling_from_processors(logits_processor, do_sample: bool) -> tuple[float, int | None, float | None]:
+def _no_op(proc, prompt_length: int) -> bool:
+    """A minimum-length processor that can never act here: `min_new_tokens=0` or a `min_length`
+    the prompt already reaches (generate builds them for those settings too)."""
+    name = type(proc).__name__
+    if name == "MinLengthLogitsProcessor":
+        return int(getattr(proc, "min_length", prompt_length + 1)) <= prompt_length
+    if name == "MinNewTokensLengthLogitsProcessor":
+        return int(getattr(proc, "min_new_tokens", 1)) <= 0
+    return False
+
+
+def _sampling_from_processors(logits_processor, do_sample: bool,
+                              prompt_length: int = 0) -> tuple[float, int | None, float | None]:
     """(temperature, top_k, top_p) from the prepared warpers, which are the truth: generate has
-    already merged the ones built from the generation config with any passed explicitly."""
-    procs = list(logits_processor or [])
+    already merged the ones built from the generation config with any passed explicitly.
+    Minimum-length processors that cannot act (`_no_op`) are dropped."""
+    procs = [p for p in (logits_processor or []) if not _no_op(p, prompt_length)]
     names = [type(p).__name__ for p in procs]
     for proc, name in zip(procs, names):
         if name not in _WARPER_ORDER:
@@ -226,7 +240,7 @@ def speculative_decoding(
             )
     cfg = generation_config
     _check_mode(cfg)
-    temperature, top_k, top_p = _sampling_from_processors(logits_processor, bool(cfg.do_sample))
+    temperature, top_k, top_p = _sampling_from_processors(logits_processor, bool(cfg.do_sample), input_ids.shape[1])
     max_new, eos = _stopping(stopping_criteria, input_ids.shape[1])
     pad = getattr(cfg, "_pad_token_tensor", None)  # what generate pads finished rows with
     pad = cfg.pad_token_id if pad is None else int(torch.as_tensor(pad).flatten()[0])
