@@ -98,9 +98,10 @@ def _fresh_step_seconds(device, dtype, heads, kv_heads, head_dim) -> float:
     _NEXT_KEY[0] += 1
     S = BASE_KEYS + 37 * _NEXT_KEY[0]
     Q = VERIFY_QUERIES
-    q = torch.randn(1, heads, Q, head_dim, device=device, dtype=dtype)
-    k = torch.randn(1, heads, S, head_dim, device=device, dtype=dtype)  # kv heads repeated, as HF's sdpa path does
-    v = torch.randn_like(k)
+    noise = torch.Generator(device=device).manual_seed(S)  # its own: the user's global random stream is not drawn from
+    q = torch.randn(1, heads, Q, head_dim, device=device, dtype=dtype, generator=noise)
+    k = torch.randn(1, heads, S, head_dim, device=device, dtype=dtype, generator=noise)  # kv heads repeated, as HF's sdpa path does
+    v = torch.randn(k.shape, device=device, dtype=dtype, generator=noise)
     vis = torch.ones(Q, S, dtype=torch.bool, device=device).tril(S - Q)
     mask = torch.zeros(1, 1, Q, S, dtype=dtype, device=device).masked_fill(~vis, torch.finfo(dtype).min)
     torch.cuda.synchronize(device)

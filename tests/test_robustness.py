@@ -123,3 +123,26 @@ def test_multimodal_placeholder_ids_past_the_embedding_are_not_refused():
     model.config.image_token_id = 3  # inside the vocabulary: nothing is exempted
     with pytest.raises(ValueError, match=rf"token id {VOCAB + 5}, outside"):
         HFSpec(model)._check_token_ids(ids)
+
+
+def test_kernel_measurement_leaves_the_global_random_stream_alone():
+    """With generator=None sampling draws from torch's global stream, as generate does; the
+    first call on a model also timed kernels on random inputs drawn from that stream, so
+    torch.manual_seed(s) gave other samples on the first call than on later ones."""
+    from conftest import left_padded, tiny_llama
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    ids, mask = left_padded([5, 3, 4])
+    model = tiny_llama(2, 0).float()  # float32 on CPU: prepack="auto" measures the kernels
+    outs = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        outs.append(mmspec.speculative_generate(model, NullDrafter(model.config.vocab_size), ids, mask,
+                                                max_new_tokens=8, temperature=1.0).sequences)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    fresh = tiny_llama(2, 1).float()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    mmspec.speculative_generate(fresh, NullDrafter(fresh.config.vocab_size), ids, mask, max_new_tokens=4, temperature=0)
+    assert torch.equal(torch.rand(3), expected)  # a greedy call draws nothing from it
