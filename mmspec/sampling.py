@@ -41,6 +41,9 @@ class SamplingConfig:
         if 0 < t < 1e-30:  # logits / t overflowed float32 into all-NaN rows, reported as a broken model
             raise ValueError(f"temperature={t!r} is too small to divide logits by in float32; use temperature=0 "
                              "(greedy), which is what it approaches")
+        if t > 1e30:  # float32 made it inf: every logit 0 (top-k / top-p not honoured), masked ones NaN
+            raise ValueError(f"temperature={t!r} is too large to divide logits by in float32; use at most 1e30 "
+                             "(near-uniform sampling over the tokens top_k / top_p keep)")
         k = self.top_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"top_k must be None or an int >= 1, got {k!r}")

@@ -154,8 +154,9 @@ class _Predictor:
         # SYNC: one flag per model call (the loop syncs every step anyway): a NaN or inf token
         # would otherwise be decoded into a silently broken image.
         if not bool(torch.isfinite(out.sample).all() & torch.isfinite(out.std).all()):
-            raise ValueError(f"the MAR {self.name} produced non-finite tokens (NaN or inf); check its weights and dtype "
-                             "(the images would be silently wrong)")
+            raise ValueError(f"the MAR {self.name} produced non-finite tokens (NaN or inf); check its weights and dtype, "
+                             f"and the temperature ({self.temperature}) that scales its noise (the images would be "
+                             "silently wrong)")
         return out
 
 
@@ -177,6 +178,8 @@ def check_sampling(temperature, guidance_scale, cfg_schedule: str = "linear") ->
     if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
                                              and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if temperature > 1e30:  # the diffusion noise's scale: inf in float32
+        raise ValueError(f"temperature={temperature!r} is too large (it scales the diffusion noise); use at most 1e30")
     if isinstance(guidance_scale, bool) or not (isinstance(guidance_scale, (int, float)) and math.isfinite(guidance_scale)):
         raise ValueError(f"guidance_scale must be a finite number, got {guidance_scale!r}")
 

@@ -87,8 +87,9 @@ class _Heads:
         out = self.m.diffloss.trajectory(zc, init, step_noise, final, z_uncond=zu, cfg=self.cfg(steps),
                                          temperature=self.temperature, record=True, alt=alt)
         if not bool(torch.isfinite(out.sample).all() & torch.isfinite(out.log_density).all()):  # SYNC: per head call
-            raise ValueError("the MAR target produced non-finite tokens (NaN or inf); check its weights and dtype "
-                             "(the images would be silently wrong)")
+            raise ValueError("the MAR target produced non-finite tokens (NaN or inf); check its weights and dtype, "
+                             f"and the temperature ({self.temperature}) that scales its noise (the images would be "
+                             "silently wrong)")
         return out
 
     def log_density(self, states, sample, zc, zu, steps):

@@ -192,7 +192,7 @@ def test_acceptance_layering():
 def test_verify_refuses_what_is_not_a_distribution_and_takes_an_empty_batch():
     """NaN / inf / negative entries (or logits) went through `verify` and came out as NaN
     acceptance probabilities or distortion; an empty batch failed in min() with a bare RuntimeError."""
-    from mmspec.sampling import SamplingConfig
+    from mmspec.sampling import SamplingConfig, process_logits
 
     V = 6
     x = torch.tensor([[1, 2]])
@@ -215,6 +215,11 @@ def test_verify_refuses_what_is_not_a_distribution_and_takes_an_empty_batch():
     with pytest.raises(ValueError, match="too small to divide logits by"):
         SamplingConfig(temperature=1e-45)
     SamplingConfig(temperature=1e-30)
+    # Past float32's range the division made every logit 0 (top_k=1 sampled uniformly) and masked
+    # ones NaN; refused by name.
+    with pytest.raises(ValueError, match="too large to divide logits by in float32; use at most 1e30"):
+        SamplingConfig(temperature=1e39, top_k=1)
+    assert process_logits(torch.tensor([[0.0, 2.0, 1.0]]), SamplingConfig(1e30, top_k=1)).tolist() == [[0, 1, 0]]
 
 
 def test_numpy_scalar_options_are_taken_as_the_numbers_they_hold():

@@ -313,6 +313,7 @@ def test_pipeline_refuses_sampling_settings_before_its_progress_bar(capsys):
     pipe = SpeculativeMARPipeline(transformer=m, vae=tiny_vae(), drafter=tiny_mar(seed=1))
     cases = [(dict(temperature=-1.0, speculative=False), "temperature must be a finite number >= 0"),
              (dict(temperature=True, speculative=False), "temperature must be a finite number >= 0"),
+             (dict(temperature=1e31, speculative=False), "temperature=1e.31 is too large"),
              (dict(guidance_scale=float("nan"), speculative=False), "guidance_scale must be a finite number"),
              (dict(cfg_schedule="cosine", speculative=False), "cfg_schedule must be 'linear' or 'constant'"),
              (dict(temperature=0.0), "temperature must be > 0 for speculative sampling"),
