@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import cached_arange, draw, sample_from
+from mmspec.sampling import cached_arange, check_generator, draw, sample_from
 from mmspec.types import AcceptanceResult
 
 
@@ -52,6 +52,14 @@ def check_chain_inputs(
         if probs is not None and probs.numel() and not bool((torch.isfinite(probs) & (probs >= 0)).all()):
             raise ValueError(f"{name} must hold finite non-negative probabilities (after softmax), got NaN, inf or "
                              "negative entries; pass mmspec.process_logits(logits, ...) rather than logits")
+        # Rows that are not distributions (all zero, scaled) were taken: an all-zero target row fell
+        # back to uniform, a scaled one accepted every draft.
+        if probs is not None and probs.numel():
+            tol = 1e-6 if probs.dtype == torch.float64 else 1e-3 if probs.dtype == torch.float32 else 1e-2
+            worst = float((probs.sum(-1, dtype=torch.float64) - 1).abs().max())
+            if worst > tol:
+                raise ValueError(f"{name} rows must each sum to 1 (distributions over the vocabulary), got a row "
+                                 f"{worst:.3g} away; pass mmspec.process_logits(logits, ...)")
 
 
 class ChainRule:
@@ -100,6 +108,7 @@ class ChainRule:
         generator: torch.Generator | None = None,
     ) -> AcceptanceResult:
         check_chain_inputs(draft_tokens, draft_probs, target_probs)
+        check_generator(generator)
         return self.verify_unchecked(draft_tokens, draft_probs, target_probs, generator=generator)
 
     def verify_unchecked(

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.sampling import draw, plain_number
+from mmspec.sampling import check_generator, draw, plain_number
 
 
 @dataclass
@@ -255,6 +255,7 @@ class ContinuousAcceptance:
         at the first rejection, or a bonus sample N(mu_p,K, sigma_p,K) when all K pass.
         Only the residual at the first rejection is drawn."""
         self._check(draft_samples, draft_mean, draft_std, target_mean, target_std, draft_logstd_sum, target_logstd_sum, bonus=True)
+        check_generator(generator)
         B, K, D = draft_samples.shape
         dtype = torch.float64 if draft_samples.dtype == torch.float64 else torch.float32
         x, mq, sq, mp, sp = (t.to(dtype) for t in (draft_samples, draft_mean, draft_std, target_mean, target_std))

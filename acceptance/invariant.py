@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from mmspec.sampling import check_generator
 from mmspec.types import AcceptanceResult
 
 from .base import check_chain_inputs
@@ -44,6 +45,7 @@ class DrafterInvariantAcceptance(GreedyAcceptance):
     def verify(self, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor, *,
                generator: torch.Generator | None = None) -> AcceptanceResult:
         check_chain_inputs(draft_tokens, draft_probs, target_probs)
+        check_generator(generator)
         top = target_probs.amax(-1)
         if not bool(((top == 1) & ((target_probs == 0) | (target_probs == 1)).all(-1)).all()):  # SYNC: validation
             raise ValueError(

@@ -210,6 +210,13 @@ def test_verify_refuses_what_is_not_a_distribution_and_takes_an_empty_batch():
                 rule.verify(x, dq, p)
         with pytest.raises(ValueError, match="finite non-negative"):
             rule.verify(x, None, torch.randn(1, 3, V))  # logits
+        # Rows that are not distributions: an all-zero target row fell back to uniform, target
+        # probabilities times 5 made the exact rule keep every draft.
+        for bad_p, bad_q in ((p * 5, q), (p * torch.tensor([0.0, 1, 1]).view(1, 3, 1), q), (p, q * 0)):
+            with pytest.raises(ValueError, match="rows must each sum to 1"):
+                rule.verify(x, bad_q, bad_p)
+        with pytest.raises(TypeError, match="generator must be None or a torch.Generator, got int"):
+            rule.verify(x, q, p, generator=3)  # an AttributeError deep in the draw before
         out = rule.verify(torch.zeros(0, 2, dtype=torch.long), None, torch.zeros(0, 3, V))
         assert out.num_accepted.shape == (0,), name
     with pytest.raises(ValueError, match="too small to divide logits by"):
