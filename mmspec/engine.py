@@ -293,6 +293,11 @@ def speculative_generate(
     kernels = [getattr(c, "kernels", "") for c in (target, drafter)]
     stats.kernels = f"target {kernels[0] or 'n/a'}, drafter {kernels[1] or 'n/a'}"
     if max_new_tokens == 0:
+        # Nothing to generate, but the inputs are still checked as at any length (a misspelt
+        # option or an image on a text model passed here and was refused at 4 tokens).
+        spec = getattr(target, "spec", None) or getattr(getattr(target, "target", None), "spec", None)
+        if spec is not None and model_inputs:
+            spec.begin(input_ids, attention_mask, model_inputs)
         return SpecOutput(input_ids.clone(), stats)
     loop = _Loop(target, drafter, rule, sampling, generator, stats, input_ids.device)
     if position_limit is not None:  # room before the table's end, from the longest (padded) row

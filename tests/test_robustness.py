@@ -146,3 +146,20 @@ def test_kernel_measurement_leaves_the_global_random_stream_alone():
     torch.manual_seed(0)
     mmspec.speculative_generate(fresh, NullDrafter(fresh.config.vocab_size), ids, mask, max_new_tokens=4, temperature=0)
     assert torch.equal(torch.rand(3), expected)  # a greedy call draws nothing from it
+
+
+def test_zero_new_tokens_still_checks_the_model_inputs():
+    """max_new_tokens=0 returned before the target saw its inputs: a misspelt option or an image
+    on a text model passed there and was refused at 4 tokens."""
+    from conftest import left_padded, tiny_llama
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    model = tiny_llama(2, 0)
+    ids, mask = left_padded([5, 3])
+    drafter = NullDrafter(model.config.vocab_size)
+    for extra in (dict(temprature=0.5), dict(pixel_values=torch.zeros(2, 3, 8, 8))):
+        for n in (0, 4):
+            with pytest.raises(ValueError, match="forward takes no argument"):
+                mmspec.speculative_generate(model, drafter, ids, mask, max_new_tokens=n, **extra)
+    out = mmspec.speculative_generate(model, drafter, ids, mask, max_new_tokens=0)
+    assert torch.equal(out.sequences, ids)
