@@ -460,7 +460,12 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             kwargs["k"] = lantern_k(V)
         if not speculative and not is_position_keyed(acceptance):
             # Plain decoding samples the target exactly; "invariant" keeps its position-keyed
-            # Gumbel-max sampling, so speculative and plain images are the same for a seed.
+            # Gumbel-max sampling, so speculative and plain images are the same for a seed. The
+            # rule is still built and checked, so that a call that fails with speculative=True
+            # (a greedy rule at temperature 1, bad rule arguments) fails the same way without it.
+            from mmspec.engine import _resolve_rule
+
+            _resolve_rule(acceptance, kwargs, SamplingConfig(temperature, top_k, top_p), target, drafter)
             acceptance, kwargs = "exact", None
         self._interrupt = False
 

@@ -379,3 +379,20 @@ def test_pipeline_options_are_honoured_or_refused_by_name():
     for scale in (None, "high"):
         with pytest.raises(ValueError, match="guidance_scale must be a finite number"):
             pipe([0], guidance_scale=scale)
+
+
+def test_rule_settings_are_checked_with_speculative_off_too():
+    """speculative=False replaced the rule with exact sampling before it was built: a greedy rule
+    at temperature 1 and bad rule arguments, refused with speculative=True, passed silently (so a
+    side-by-side timing failed on one side only)."""
+    pipe = make_pipe(torch.float32)
+    cases = [(dict(acceptance="greedy"), "decodes greedily"),
+             (dict(acceptance="lantern", acceptance_kwargs={"bogus": 1}), "takes no argument"),
+             (dict(acceptance="lantern", acceptance_kwargs={"delta": 7.0}), "delta must be"),
+             (dict(acceptance="typical", acceptance_kwargs={"epsilon": -1.0}), "epsilon must be")]
+    for kwargs, message in cases:
+        for speculative in (True, False):
+            with pytest.raises((ValueError, TypeError), match=message):
+                pipe([0], speculative=speculative, output_type="latent", **kwargs)
+    out = pipe([0], acceptance="greedy", temperature=0, speculative=False, output_type="latent")
+    assert out.tokens.shape == (1, pipe.num_tokens)
