@@ -186,8 +186,9 @@ def check_sampling(temperature, guidance_scale, cfg_schedule: str = "linear") ->
 
 def check_speculative(temperature, num_draft_steps, prefill_fraction=None) -> None:
     """Refuse what speculative sampling cannot honour: a zero temperature, a draft length that is
-    not an int >= 1, a prefill fraction outside [0, 1] (None: not used, as with self-drafting)."""
-    if not temperature > 0:
+    not an int >= 1, a prefill fraction outside [0, 1] (None: not used, as with self-drafting).
+    `temperature=None`: the draft options alone (a plain call checks them too)."""
+    if temperature is not None and not temperature > 0:
         raise ValueError("temperature must be > 0 for speculative sampling (a zero-variance Gaussian cannot be verified)")
     if not isinstance(num_draft_steps, int) or isinstance(num_draft_steps, bool) or num_draft_steps < 1:
         raise ValueError(f"num_draft_steps must be an int >= 1, got {num_draft_steps!r}")

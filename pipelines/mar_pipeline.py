@@ -148,9 +148,10 @@ class SpeculativeMARPipeline(DiffusionPipeline):
         # Refused here rather than inside the sampler, under a progress bar already drawn.
         check_sampling(temperature, guidance_scale, cfg_schedule)
         check_generator(generator)
-        if speculative:
-            check_speculative(temperature, 1 if num_draft_steps == "auto" else num_draft_steps,
-                              None if self_draft else prefill_fraction)
+        # The draft options are checked with speculative=False too: a call that fails with it on must
+        # fail the same way without it (num_draft_steps=-3 passed silently there).
+        check_speculative(temperature if speculative else None, 1 if num_draft_steps == "auto" else num_draft_steps,
+                          None if draft == "self" else prefill_fraction)
         bar = self.progress_bar(total=num_iter)
         done = [0]
 

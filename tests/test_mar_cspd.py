@@ -321,6 +321,9 @@ def test_pipeline_refuses_sampling_settings_before_its_progress_bar(capsys):
              (dict(num_draft_steps="four", draft="self"), "num_draft_steps must be an int >= 1"),
              (dict(prefill_fraction=1.5), r"prefill_fraction must be a number in \[0, 1\]"),
              (dict(prefill_fraction="half"), r"prefill_fraction must be a number in \[0, 1\]")]
+    # the draft options fail the same way with speculative=False (they passed silently there)
+    cases += [(dict(num_draft_steps=-3, speculative=False), "num_draft_steps must be an int >= 1"),
+              (dict(prefill_fraction=7.0, speculative=False), r"prefill_fraction must be a number in \[0, 1\]")]
     cases += [(dict(generator=[torch.Generator()]), "a list of 1 generators"), (dict(generator=3), "generator must be")]
     for kwargs, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
