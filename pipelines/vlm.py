@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 
-from mmspec.engine import speculative_generate
+from mmspec.engine import _resolve_rule, speculative_generate
+from mmspec.sampling import SamplingConfig, check_generator, plain_number
 from mmspec.models.hf_target import HFTarget
 from mmspec.stats import SpecStats
 
@@ -119,7 +120,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         self.register_to_config(caption_prompt=caption_prompt)
         self.drafters: dict[str, DrafterComponent] = {}
         self._spec_target = HFTarget(target)
-        self._built: dict[int, Any] = {}
+        # id(component) -> (component, built drafter); the entry holds the component, so a freed
+        # component's address cannot be taken by a new one that would get the old drafter.
+        self._built: dict[int, tuple[Any, Any]] = {}
         tok = processor.tokenizer
         tok.padding_side = "left"  # batched decoding continues every row from its last column
         self.image_token = getattr(processor, "image_token", None) or getattr(tok, "image_token", None)
@@ -133,6 +136,8 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         if name == "drafter" and value is not None:
             self._check_drafter_type(value)
         super().__setattr__(name, value)
+        if name == "drafter":
+            self._prune_built()
 
     @staticmethod
     def _check_drafter_type(drafter) -> None:
@@ -144,11 +149,20 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
     def _check_drafter(self, drafter) -> Any:
         self._check_drafter_type(drafter)
         key = id(drafter)
-        if key not in self._built:
+        entry = self._built.get(key)
+        if entry is None or entry[0] is not drafter:
+            self._prune_built()
             # (ModelMixin.to warns about fp32 modules; none here)
             torch.nn.Module.to(drafter, device=self.target.device, dtype=self.target.dtype)
-            self._built[key] = drafter.build(self._spec_target)  # ValueError if built for another target
-        return self._built[key]
+            entry = self._built[key] = (drafter, drafter.build(self._spec_target))  # ValueError if built for another target
+        return entry[1]
+
+    def _prune_built(self) -> None:
+        """Drop the built drafters of components the pipeline no longer holds (each kept its weights)."""
+        built = self.__dict__.get("_built")
+        if built:
+            held = [self.__dict__.get("drafter"), *self.__dict__.get("drafters", {}).values()]
+            self._built = {k: e for k, e in built.items() if any(e[0] is h for h in held)}
 
     def to(self, *args, **kwargs):
         """diffusers' `to` (moves the registered target and drafter), then the target's wrap and
@@ -340,6 +354,13 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             raise ValueError("speculative=True needs a drafter: pass drafter= to from_pretrained, call "
                              "pipe.load_drafter(...), or use speculative=False")
         drafter = self._check_drafter(self.drafter) if speculative else PlainDecoding(self._spec_target.vocab_size)
+        # The options are checked here, once, not only inside each batch: with no batch to run (no
+        # items, every image missing) bad values passed silently.
+        max_new = plain_number(max_new_tokens)
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_generator(generator)
+        _resolve_rule(acceptance, None, SamplingConfig(temperature, top_k, top_p), self._spec_target, drafter)
         texts: list[str | None] = [None] * n
         seqs: list[torch.Tensor | None] = [None] * n
         errors: list[str | None] = [None] * n

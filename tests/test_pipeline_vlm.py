@@ -365,3 +365,32 @@ def test_an_unregistered_active_drafter_does_not_overwrite_one_named_default(par
     again = SpeculativeVLMPipeline.from_pretrained(tmp_path / "p")
     assert {n: c.config.kind for n, c in again.drafters.items()} == {"default": "text", "default_1": "eagle"}
     assert again.drafter.config.kind == "eagle"
+
+
+def test_options_are_checked_without_work_and_built_drafters_follow_their_components(parts, tmp_path):
+    """Options were checked only inside each batch: with no item to run (an empty list, every
+    file missing) bad values passed silently. The built-drafter cache was keyed by address without
+    holding the component: a freed component left its built drafter (and weights) behind, and a new
+    one allocated at that address would have run it."""
+    import gc
+    import weakref
+
+    model, processor = parts
+    d = drafters(model)
+    pipe = SpeculativeVLMPipeline(model, processor, d["eagle"])
+    cases = [(dict(max_new_tokens=-5), "max_new_tokens must be an int >= 0"), (dict(temperature=float("nan")), "temperature"),
+             (dict(acceptance="bogus"), "not a known rule"), (dict(top_k=0), "top_k must be"),
+             (dict(generator=3), "generator must be"), (dict(acceptance="greedy", temperature=1.0), "decodes greedily")]
+    for items in ([], [str(tmp_path / "missing.png")]):
+        for kwargs, message in cases:
+            with pytest.raises((ValueError, TypeError), match=message):
+                pipe(items, **kwargs)
+    text = d["text"]
+    pipe.drafter = text
+    pipe(random_images(1, seed=2), max_new_tokens=4)
+    gone = weakref.ref(text)
+    pipe.drafter = d["vispec"]
+    del text, d
+    gc.collect()
+    assert gone() is None  # the pipeline kept neither the component nor its built drafter
+    assert all(entry[0] is pipe.drafter for entry in pipe._built.values())
