@@ -18,9 +18,8 @@ In mmspec's loop (batched, ragged, chains and dynamic trees):
   head's input embedding at image-token positions is the target's merged image feature, as
   the target's own forward sees it.
 - The prompt's pairs `(h_t, x_{t+1})`, t = 0..L-1, are run at the first `propose` that drafts
-  (the last one needs the root, which the target samples after prefill; under
-  `num_draft_tokens="auto"` plain K = 0 steps before it keep that root and their pairs for it,
-  so a request decoded plainly never runs the head); later steps run the pairs of the
+  (the last needs the root, which the target samples after prefill; plain K = 0 steps before
+  it keep that root and their pairs: a request decoded plainly never runs the head); later steps run the pairs of the
   accepted path + bonus token (the target's verify features) in one catch-up forward. Draft
   positions are rolled back by not advancing the ragged cache (mmspec.RaggedKV).
 - Chains: K head forwards (tokens sampled from the head's processed distribution, q returned);
@@ -48,10 +47,10 @@ from mmspec.drafters.chain_stop import ChainStop
 from mmspec.adaptive_window import WindowBandit
 from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.drafters.plain_stretch import append_at_counts
-from mmspec.drafters.tree_grow import grow_tree  # noqa: F401  (also importable from here, as before)
+from mmspec.drafters.tree_grow import grow_tree
 from mmspec.ragged import RaggedKV
 from mmspec.position_noise import DraftsWithPositionNoise
-from mmspec.sampling import SamplingConfig, process_logits, sample_from
+from mmspec.sampling import SamplingConfig, plain_number, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig, check_tree
 
@@ -96,21 +95,20 @@ class EagleHeadConfig:
         image_token = getattr(model.config, "image_token_id", getattr(model.config, "image_token_index", None))
 
         def read(name):
-            value = getattr(text, name, None)
-            if value is None and name not in overrides:
+            if getattr(text, name, None) is None and name not in overrides:
                 raise ValueError(f"EagleHeadConfig.for_target: the target's config ({type(text).__name__}) has no "
                                  f"{name!r}; pass {name}=... as an override")
-            return value
+            return overrides.get(name, getattr(text, name, None))
 
-        width, heads = (overrides.get(n) or read(n) for n in ("hidden_size", "num_attention_heads"))
+        width, heads = read("hidden_size"), read("num_attention_heads")
+        mlp = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * int(width)
         values = dict(
-            hidden_size=int(width), intermediate_size=int(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * int(width)),
+            hidden_size=int(width), intermediate_size=int(mlp),
             num_attention_heads=heads, num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
             vocab_size=read("vocab_size"), image_token_id=None if image_token is None else int(image_token),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6), target_model_type=str(model.config.model_type),
         )
-        values.update(overrides)
-        return cls(**values)
+        return cls(**{**values, **overrides})
 
 
 class RMSNorm(nn.Module):
@@ -185,11 +183,10 @@ class HeadLayer(nn.Module):
 
     def forward(self, x, positions, visible, kv, max_position: int | None = None):
         """x [B, Q, H], positions [B, Q], visible [B, Q, S] bool (S = Q without a cache) or None
-        when every query sees every key; `max_position`: see `HeadAttention._rope`. Plain tensor operations over stacked weights: a drafting
-        step is one or a few tokens, so its cost is the number of operations, and module calls and
-        separate q / k / v and gate / up GEMMs were most of it (measured on a 2-core EPYC VM, a
-        128-wide layer at one token: ~340 us through the submodules, ~210 us here). RoPE is
-        applied to the q and k heads at once."""
+        when every query sees every key; `max_position`: see `HeadAttention._rope`. Plain tensor
+        operations over stacked weights, RoPE on q and k at once: at one or a few tokens a step's
+        cost is its operation count (a 128-wide layer at one token, 2-core EPYC VM: ~340 us
+        through the submodules, ~210 us here)."""
         attn = self.self_attn
         w = self._weights()
         B, Q, _ = x.shape
@@ -324,6 +321,7 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
 
     def __init__(self, target, head: EagleHead, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None,
                  max_draft_tokens: int | None = None):
+        num_draft_tokens = plain_number(num_draft_tokens)
         max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6, tree=tree)
         # "auto" (chains): the loop picks K in 0..max_draft_tokens before every step from measured
         # costs and acceptance (mmspec/adaptive.py); K = 0 defers the head's catch-up. A tree with
@@ -424,12 +422,9 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self._after_plain = False
         if self.kv is None and self._first_root is not None:  # plain steps came first: the prompt, then them
             self._prefill_head(self._first_root)
-            self._first_root = None
-            H = self.head.config.hidden_size
-            self.pending_tokens = roots.new_zeros(B, 0)
-            self.pending_hidden = torch.zeros(B, 0, H, dtype=self.spec.dtype, device=device)
-            self.pending_count = roots.new_zeros(B)
-            self.pending_host = [0] * B
+            self._first_root, self.pending_host = None, [0] * B
+            self.pending_tokens, self.pending_count = roots.new_zeros(B, 0), roots.new_zeros(B)
+            self.pending_hidden = torch.zeros(B, 0, self.head.config.hidden_size, dtype=self.spec.dtype, device=device)
         feats = self._prefill_head(roots) if self.kv is None else self._catch_up(roots)  # [B, H] at the root
         logits = self.logits(feats)
         if self.tree is not None:

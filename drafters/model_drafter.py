@@ -34,7 +34,7 @@ from mmspec.drafters.plain_stretch import append_at_counts
 from mmspec.spec import ForwardSpec, SpecRunner
 from mmspec.spec_target import chain_visibility
 from mmspec.position_noise import DraftsWithPositionNoise
-from mmspec.sampling import SamplingConfig, process_logits, sample_from
+from mmspec.sampling import SamplingConfig, plain_number, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, TargetOutput, TreeConfig, check_tree
 
@@ -64,6 +64,7 @@ def check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default: int, tre
     fixed `num_draft_tokens` or a tree, where it would have no effect."""
     if max_draft_tokens is None:
         return default
+    max_draft_tokens = plain_number(max_draft_tokens)
     if tree is not None:
         raise ValueError(f"max_draft_tokens={max_draft_tokens!r} is for chains (num_draft_tokens='auto'); a tree's "
                          "largest size is its num_nodes (TreeConfig(num_nodes=N, adaptive=True), or num_nodes='auto')")
@@ -115,6 +116,7 @@ class ModelDrafter(DraftsWithPositionNoise):
                 f"num_draft_tokens={num_draft_tokens!r} has no effect with tree=: a tree drafts tree.num_nodes="
                 f"{tree.num_nodes} nodes over tree.depth={tree.depth} levels; pass one of num_draft_tokens or tree"
             )
+        num_draft_tokens = plain_number(num_draft_tokens)  # (np.int64(3) means 3)
         if num_draft_tokens is None:
             num_draft_tokens = "auto" if tree is None else 0  # trees draft tree.num_nodes
         max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=8, tree=tree)

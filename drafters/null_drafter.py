@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mmspec.sampling import plain_number
 from mmspec.types import Draft, FeatureRequest
 
 
@@ -20,6 +21,7 @@ class NullDrafter:
     draft_calls = 0
 
     def __init__(self, vocab_size: int):
+        vocab_size = plain_number(vocab_size)
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1 (the target's vocabulary size), got {vocab_size!r}")
         self.vocab_size = vocab_size

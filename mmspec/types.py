@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmspec.sampling import plain_number
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -33,6 +35,8 @@ class TreeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.adaptive, bool):
             raise TypeError(f"TreeConfig.adaptive must be a bool, got {self.adaptive!r}")
+        for name in ("depth", "top_k", "num_nodes"):  # np.int64(6) means 6
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
         if self.num_nodes == "auto":
             object.__setattr__(self, "adaptive", True)
             if all(isinstance(getattr(self, n), int) and not isinstance(getattr(self, n), bool) for n in ("depth", "top_k")):

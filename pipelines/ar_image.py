@@ -56,7 +56,7 @@ from mmspec.models.llamagen_sample import CFG_SCHEDULES, check_guidance_scale
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
 from mmspec.protocols import implements_drafter
-from mmspec.sampling import SamplingConfig, check_generator
+from mmspec.sampling import SamplingConfig, check_generator, plain_number
 from mmspec.stats import SpecStats
 
 
@@ -391,6 +391,10 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
                 raise ValueError(f"class_labels must be an int, a list of ints or a 0-/1-D tensor, got a tensor of "
                                  f"shape {tuple(class_labels.shape)}")
             class_labels = class_labels.flatten().tolist()
+        if type(class_labels).__module__ == "numpy" and getattr(class_labels, "ndim", 2) <= 1:  # an array / scalar
+            class_labels = class_labels.reshape(-1).tolist()
+        if isinstance(class_labels, (list, tuple)):
+            class_labels = [plain_number(c) for c in class_labels]
         if not isinstance(class_labels, (list, tuple)) or not class_labels or not all(
             isinstance(c, int) and not isinstance(c, bool) for c in class_labels
         ):
@@ -436,6 +440,7 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if cfg_schedule not in CFG_SCHEDULES:
             raise ValueError(f"cfg_schedule={cfg_schedule!r}: must be one of {CFG_SCHEDULES}")
         V, T = self.target.args.vocab_size, self.num_tokens
+        top_k = plain_number(top_k)
         if top_k is not None and (not isinstance(top_k, int) or top_k > V):
             raise ValueError(f"top_k={top_k!r} exceeds the codebook size {V} (or is not an int)")
         # Refused here, before the progress bar starts, rather than inside the loop under a 0% bar.

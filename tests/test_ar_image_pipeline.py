@@ -396,3 +396,13 @@ def test_rule_settings_are_checked_with_speculative_off_too():
                 pipe([0], speculative=speculative, output_type="latent", **kwargs)
     out = pipe([0], acceptance="greedy", temperature=0, speculative=False, output_type="latent")
     assert out.tokens.shape == (1, pipe.num_tokens)
+
+
+def test_numpy_labels_and_top_k_are_taken_as_numbers():
+    import numpy as np
+
+    pipe = make_pipe(torch.float32)
+    ref = pipe([3, 1], top_k=5, generator=torch.Generator().manual_seed(0), output_type="latent").tokens
+    for labels in (np.array([3, 1]), [np.int64(3), np.int32(1)]):
+        out = pipe(labels, top_k=np.int64(5), generator=torch.Generator().manual_seed(0), output_type="latent")
+        assert torch.equal(out.tokens, ref)

@@ -163,3 +163,24 @@ def test_zero_new_tokens_still_checks_the_model_inputs():
                 mmspec.speculative_generate(model, drafter, ids, mask, max_new_tokens=n, **extra)
     out = mmspec.speculative_generate(model, drafter, ids, mask, max_new_tokens=0)
     assert torch.equal(out.sequences, ids)
+
+
+def test_numpy_integers_are_taken_as_the_numbers_they_hold():
+    """np.int64(3) (from configs, sweeps, np.arange) was refused as "must be an int" by the
+    drafters, TreeConfig and NullDrafter; it means 3."""
+    import numpy as np
+
+    from conftest import tiny_llama
+    from mmspec.drafters import EagleHead, EagleHeadConfig, EagleHeadDrafter
+    from mmspec.drafters.null_drafter import NullDrafter
+
+    model = tiny_llama(1, 0)
+    assert ModelDrafter(model, np.int64(3)).num_draft_tokens == 3
+    assert ModelDrafter(model, "auto", max_draft_tokens=np.int64(4)).max_draft_nodes == 4
+    tree = mmspec.TreeConfig(depth=np.int64(3), top_k=np.int32(2), num_nodes=np.int64(6))
+    assert (tree.depth, tree.top_k, tree.num_nodes) == (3, 2, 6) and type(tree.num_nodes) is int
+    assert NullDrafter(np.int64(5)).vocab_size == 5
+    head = EagleHead(EagleHeadConfig.for_target(model))
+    assert EagleHeadDrafter(model, head, np.int64(2)).num_draft_tokens == 2
+    with pytest.raises(TypeError, match="must be an int"):
+        ModelDrafter(model, np.float64(3.0))  # a float is still not a draft length
