@@ -273,6 +273,9 @@ def speculative_generate(
         raise ValueError(f"pad_token_id must be None or an int >= 0, got {pad_token_id!r}")
     target = as_target(target)
     features = check_drafter(drafter)
+    if drafter.vocab_size is None:  # (JacobiDrafter built without it; the image pipeline sets it)
+        raise ValueError(f"drafter {type(drafter).__name__} has no vocab_size: build it with vocab_size="
+                         f"{target.vocab_size} (the target's vocabulary size)")
     if drafter.vocab_size != target.vocab_size:
         raise ValueError(
             f"drafter vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size}); the drafter "

@@ -195,6 +195,8 @@ def test_jacobi_refusals():
     gpt = tiny_gpt(0)
     with pytest.raises(ValueError, match="vocab"):
         run(llamagen_target(gpt), JacobiDrafter(4, vocab_size=7), temperature=0)
+    with pytest.raises(ValueError, match="JacobiDrafter has no vocab_size: build it with vocab_size=24"):
+        run(llamagen_target(gpt), JacobiDrafter(4), temperature=0)  # said "drafter vocabulary (None) differs"
 
 
 def test_jacobi_on_a_language_model_with_eos_rows_leaving(target):
