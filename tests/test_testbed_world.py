@@ -201,3 +201,17 @@ def test_testbed_commands_refuse_counts_they_cannot_use(argv, message, tmp_path)
     with pytest.raises(SystemExit, match=message):
         main(["testbed", *argv])
     assert not (tmp_path / "out").exists()  # refused before writing anything
+
+
+def test_the_vocabulary_is_the_bundled_models_own():
+    """The word ids are part of the bundled VLM: a module constant added to language.py (session
+    23's CAPTION_ORDERS) joined the vocabulary and shifted 71 ids, and the bundled sample tokenizer
+    (assets/testbed/tokenizer) went stale. build_tokenizer, the VLM bundle's processor and the
+    sample tokenizer must hold one vocabulary."""
+    import json
+    from pathlib import Path
+
+    assets = Path(__file__).resolve().parents[1] / "assets" / "testbed"
+    built = json.loads(build_tokenizer().backend_tokenizer.to_str())["model"]["vocab"]
+    for path in (assets / "vlm" / "processor" / "tokenizer.json", assets / "tokenizer" / "tokenizer.json"):
+        assert json.loads(path.read_text())["model"]["vocab"] == built, path
