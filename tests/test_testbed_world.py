@@ -204,8 +204,8 @@ def test_testbed_commands_refuse_counts_they_cannot_use(argv, message, tmp_path)
 
 
 def test_the_vocabulary_is_the_bundled_models_own():
-    """The word ids are part of the bundled VLM: a module constant added to language.py (session
-    23's CAPTION_ORDERS) joined the vocabulary and shifted 71 ids, and the bundled sample tokenizer
+    """The word ids are part of the bundled VLM: a module constant added to language.py
+    (CAPTION_ORDERS, commit f643616) joined the vocabulary and shifted 71 ids, and the bundled sample tokenizer
     (assets/testbed/tokenizer) went stale. build_tokenizer, the VLM bundle's processor and the
     sample tokenizer must hold one vocabulary."""
     import json

@@ -278,7 +278,7 @@ def _strings(value: Any) -> list[str]:
 def vocabulary() -> list[str]:
     """Every word the grammar can emit, read off the module constants (sorted). The word ids are
     part of the bundled VLM (its processor holds this vocabulary; a test keeps them equal): a new
-    upper-case constant here changes them (CAPTION_ORDERS' two words are in since session 23)."""
+    upper-case constant here changes them (CAPTION_ORDERS' two words joined in commit f643616)."""
     pieces: set[str] = {str(d) for d in range(10)}
     for name, value in globals().items():
         if name.isupper() and name not in ("SPECIAL_TOKENS", "IMAGE_TOKEN"):
