@@ -297,3 +297,25 @@ def test_bench_imagegen_refuses_sampling_values_before_loading():
         with pytest.raises(ValueError, match=message):
             ImageBenchConfig(**kw)
     assert ImageBenchConfig(temperature=0.0, guidance_scale=1.0).guidance_scale == 1.0
+
+
+def test_bench_imagegen_checks_the_judge_against_the_generator_before_timing(tmp_path):
+    """A generator the judge cannot score (another image size or class count) was timed in full
+    and then scored (accuracy 0.25, Frechet 386 for a 5-class 8x8 generator) or refused at the end."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_ar_image_pipeline import make_pipe
+
+    from mmspec.bench.imagegen import check_judge
+    from mmspec.testbed.judge_model import JUDGE_DIR
+
+    pipe = make_pipe(torch.float32)
+    with pytest.raises(ValueError, match="scores 64x64 testbed images of 32 classes; this generator makes"):
+        check_judge(pipe, str(JUDGE_DIR))
+    from mmspec.bench.imagegen import load_pipeline
+
+    check_judge(load_pipeline(str(Path(__file__).resolve().parents[1] / "assets" / "testbed" / "imagegen")), str(JUDGE_DIR))

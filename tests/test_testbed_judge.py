@@ -43,6 +43,20 @@ def test_bad_inputs_name_the_argument():
         judge.score(torch.zeros(4, 3, 64, 64), [0, 1])
     with pytest.raises(ValueError, match="images"):
         judge.score(torch.zeros(4, 64, 64), [0, 1, 2, 3])
+    # Were scored: labels out of range (counted as misses) or truncated floats, other image sizes;
+    # a NaN pixel ended in a raw LinAlgError.
+    ok = torch.zeros(4, 3, 64, 64)
+    for labels in ([0, 1, 2, 32], [0, 1, 2, -1], [0.0, 1.5, 2.0, 3.0]):
+        with pytest.raises(ValueError, match=r"class_labels must be integer class ids in \[0, 32\)"):
+            judge.score(ok, labels)
+    for size in (32, 128):
+        with pytest.raises(ValueError, match=f"scores 64x64 testbed images, got {size}x{size}"):
+            judge.score(torch.zeros(4, 3, size, size), [0, 1, 2, 3])
+    bad = ok.clone()
+    bad[1, 0, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf pixels"):
+        judge.score(bad, [0, 1, 2, 3])
+    assert set(judge.score(ok, torch.tensor([0, 1, 2, 3], dtype=torch.int32))) == {"accuracy", "frechet"}
     with pytest.raises(ValueError, match="width"):
         JudgeConfig(width=0)
 

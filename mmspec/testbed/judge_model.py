@@ -101,11 +101,24 @@ class Judge(nn.Module):
     # ---- measuring -------------------------------------------------------------------------
     @torch.no_grad()
     def score(self, images, class_labels) -> dict[str, float]:
-        """Class accuracy against `class_labels` and Frechet distance to the real reference."""
+        """Class accuracy against `class_labels` and Frechet distance to the real reference, for
+        testbed-world images of the judge's size and classes (anything else is refused: a label out
+        of range scored as a miss, another image size or a NaN pixel gave figures or a raw error)."""
         pixels = to_pixels(images)
-        labels = torch.as_tensor(class_labels, dtype=torch.long)
+        labels = torch.as_tensor(class_labels)
         if labels.shape != (pixels.shape[0],):
             raise ValueError(f"class_labels must have one label per image ({pixels.shape[0]}), got {tuple(labels.shape)}")
+        c = self.config
+        if labels.is_floating_point() or labels.dtype == torch.bool or (
+                labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= c.num_classes)):
+            raise ValueError(f"class_labels must be integer class ids in [0, {c.num_classes}) (the judge's classes), "
+                             f"got {labels.tolist()[:8]}{' ...' if labels.numel() > 8 else ''}")
+        labels = labels.long()
+        if tuple(pixels.shape[2:]) != (c.image_size, c.image_size):
+            raise ValueError(f"the judge scores {c.image_size}x{c.image_size} testbed images, got "
+                             f"{pixels.shape[3]}x{pixels.shape[2]}; resize them or use a judge trained at that size")
+        if not bool(torch.isfinite(pixels).all()):
+            raise ValueError("images hold NaN or inf pixels: the generator's output is broken")
         if pixels.shape[0] < 2:
             raise ValueError("images must hold at least 2 images (a covariance needs two)")
         self.eval()
