@@ -55,6 +55,7 @@ from mmspec.models.llamagen_gpt import LlamaGenGPT
 from mmspec.models.llamagen_sample import CFG_SCHEDULES, check_guidance_scale
 from mmspec.models.llamagen_spec import LlamaGenSpec, cfg_schedule_fn, llamagen_target, null_class_uncond
 from mmspec.models.llamagen_vq_model import LlamaGenVQModel
+from mmspec.pipelines.unsupported import RefusesOffload
 from mmspec.protocols import implements_drafter
 from mmspec.sampling import SamplingConfig, check_generator, plain_number
 from mmspec.stats import SpecStats
@@ -157,7 +158,7 @@ class _Watch:
         self.rows = [self.rows[i] for i in rows_host]
 
 
-class SpeculativeARImagePipeline(DiffusionPipeline):
+class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
     """LlamaGen c2i image generation with speculative decoding (see module docstring)."""
 
     _optional_components = ["drafter"]

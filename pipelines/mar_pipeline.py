@@ -32,6 +32,7 @@ from mmspec.adaptive_window import WindowBandit
 from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, check_sampling, check_speculative, sample_mar
 from mmspec.pipelines.cspd_self import sample_mar_self
+from mmspec.pipelines.unsupported import RefusesOffload
 from mmspec.sampling import check_generator
 
 # num_draft_steps="auto" with draft="self": the arms are K = 0 (plain sampling) .. this many
@@ -44,7 +45,7 @@ class MARPipelineOutput(BaseOutput):
     stats: MARStats
 
 
-class SpeculativeMARPipeline(DiffusionPipeline):
+class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
     model_cpu_offload_seq = "transformer->vae"
     _optional_components = ["drafter"]
 

@@ -44,6 +44,7 @@ from mmspec.sampling import SamplingConfig, check_generator, plain_number
 from mmspec.models.hf_target import HFTarget
 from mmspec.stats import SpecStats
 
+from .unsupported import RefusesOffload
 from .vlm_drafter import DrafterComponent, PlainDecoding
 
 SUPPORTED_MODEL_TYPES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
@@ -111,7 +112,7 @@ def _as_displayed_rgb(im):
     return im.convert("RGB")
 
 
-class SpeculativeVLMPipeline(DiffusionPipeline):
+class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
     def __init__(self, target, processor, drafter: DrafterComponent | None = None,
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT):
         super().__init__()

@@ -406,3 +406,20 @@ def test_numpy_labels_and_top_k_are_taken_as_numbers():
     for labels in (np.array([3, 1]), [np.int64(3), np.int32(1)]):
         out = pipe(labels, top_k=np.int64(5), generator=torch.Generator().manual_seed(0), output_type="latent")
         assert torch.equal(out.tokens, ref)
+
+
+def test_diffusers_offload_and_attention_switches_are_refused_by_name():
+    """enable_model_cpu_offload was accepted and did nothing (the loop never calls the models'
+    forward, where accelerate hooks in: on a GPU the models would have stayed on the CPU);
+    sequential offload died on meta tensors; attention slicing / xformers changed nothing."""
+    from mmspec.pipelines import SpeculativeMARPipeline, SpeculativeVLMPipeline
+    from mmspec.pipelines.unsupported import RefusesOffload
+
+    pipe = make_pipe(torch.float32)
+    for name in ("enable_model_cpu_offload", "enable_sequential_cpu_offload", "enable_group_offload",
+                 "enable_attention_slicing", "enable_xformers_memory_efficient_attention"):
+        with pytest.raises(ValueError, match=f"SpeculativeARImagePipeline.{name} is not supported"):
+            getattr(pipe, name)()
+        for cls in (SpeculativeMARPipeline, SpeculativeVLMPipeline):
+            assert getattr(cls, name) is getattr(RefusesOffload, name), (cls, name)
+    assert pipe([0], output_type="latent").tokens.shape == (1, pipe.num_tokens)  # the pipeline still runs
