@@ -271,7 +271,13 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         if dtype is None and str(getattr(config, "dtype", "")).replace("torch.", "") in ("float16", "bfloat16"):
             dtype = torch.float32  # half-precision storage (the bundled testbed VLM): compute in float32 on CPU
         model_cls = getattr(transformers, index["target"][1]) if index else transformers.AutoModelForImageTextToText
-        target = model_cls.from_pretrained(target_dir, **({"dtype": dtype} if dtype is not None else {}))
+        target, info = model_cls.from_pretrained(target_dir, output_loading_info=True,
+                                                 **({"dtype": dtype} if dtype is not None else {}))
+        bad = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if any(bad.values()):  # transformers logs a report and keeps the missing weights random
+            listed = "; ".join(f"{k.replace('_', ' ')} {v[:6]}" for k, v in bad.items() if v)
+            raise ValueError(f"the target in {str(target_dir)!r} does not match its config ({listed}); it would "
+                             "answer with those weights random")
         processor = transformers.AutoProcessor.from_pretrained(proc_dir)
         pipe = cls(target, processor, None, caption_prompt=(index or {}).get("caption_prompt", DEFAULT_CAPTION_PROMPT))
         if index:

@@ -27,6 +27,7 @@ from diffusers.configuration_utils import register_to_config
 from mmspec.drafters import EagleHeadConfig, EagleHeadDrafter, ModelDrafter, NullDrafter, ViSpecDrafter
 from mmspec.drafters.eagle_head import head_class
 from mmspec.drafters.model_drafter import check_max_draft_tokens
+from mmspec.models.strict_load import strict_from_pretrained
 from mmspec.types import TreeConfig
 
 KINDS = ("text", "eagle", "vispec")
@@ -66,6 +67,13 @@ class DrafterComponent(ModelMixin, ConfigMixin):
             if not head_config:
                 raise ValueError(f"a {kind} drafter needs head_config (EagleHeadConfig fields)")
             self.head = head_class(kind)(EagleHeadConfig(**{**head_config, "kind": kind}))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """diffusers' loader, strict: a folder with a missing, unexpected or mis-shaped tensor is a
+        ValueError naming it (it loaded with that part random: a ViSpec head without fc drafted
+        nothing the target accepted)."""
+        return strict_from_pretrained(super().from_pretrained, cls.__name__, pretrained_model_name_or_path, *args, **kwargs)
 
     @classmethod
     def from_head(cls, head, num_draft_tokens: int = 4, tree: TreeConfig | None = None) -> "DrafterComponent":

@@ -394,3 +394,26 @@ def test_options_are_checked_without_work_and_built_drafters_follow_their_compon
     gc.collect()
     assert gone() is None  # the pipeline kept neither the component nor its built drafter
     assert all(entry[0] is pipe.drafter for entry in pipe._built.values())
+
+
+def test_folders_with_a_missing_tensor_are_refused_by_key(parts, tmp_path):
+    """A saved drafter or target with a tensor missing loaded with that part random (a ViSpec
+    head without fc drafted nothing the target accepted; a target layer changed the captions)."""
+    from safetensors.torch import load_file, save_file
+
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["vispec"])
+    pipe.save_pretrained(tmp_path / "p")
+    SpeculativeVLMPipeline.from_pretrained(tmp_path / "p")  # as saved: loads
+    drafter_file = next((tmp_path / "p" / "drafters").glob("*/diffusion_pytorch_model.safetensors"))
+    weights = load_file(drafter_file)
+    save_file({k: v for k, v in weights.items() if not k.endswith("fc.weight")}, drafter_file)
+    with pytest.raises(ValueError, match=r"DrafterComponent: the checkpoint .*missing keys \['head.fc.weight'"):
+        SpeculativeVLMPipeline.from_pretrained(tmp_path / "p")
+    save_file(weights, drafter_file)
+    target_file = next((tmp_path / "p" / "target").glob("*.safetensors"))
+    weights = load_file(target_file)
+    dropped = next(k for k in weights if "layers.0.mlp" in k)
+    save_file({k: v for k, v in weights.items() if k != dropped}, target_file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="the target in .* does not match its config .*missing keys"):
+        SpeculativeVLMPipeline.from_pretrained(tmp_path / "p")
