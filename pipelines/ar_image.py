@@ -291,6 +291,14 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
                             f"{type(value).__name__}")
         super().__setattr__(name, value)
 
+    @property
+    def components(self) -> dict:
+        """diffusers' components plus the drafter settings, so that `type(pipe)(**pipe.components)`
+        drafts as this pipeline does (a model drafter's K / tree live in `drafter_config`; without
+        it the copy drafted a default chain). A drafter GPT held aside while Jacobi drafts
+        (`drafter_model`) is not carried: set it on the copy if wanted."""
+        return {**super().components, "drafter_config": dict(self.config.drafter_config)}
+
     # ---- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, save_directory, *args, **kwargs):
         from diffusers.pipelines.pipeline_loading_utils import _fetch_class_library_tuple

@@ -113,6 +113,14 @@ def _as_displayed_rgb(im):
 
 
 class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
+    _optional_components = ["drafter"]  # (without it `components` left the drafter out)
+
+    @property
+    def components(self) -> dict:
+        """diffusers' components plus the caption prompt, so that `type(pipe)(**pipe.components)`
+        answers as this pipeline does. Named drafters (`pipe.drafters`) are not carried."""
+        return {**super().components, "caption_prompt": self.config.caption_prompt}
+
     def __init__(self, target, processor, drafter: DrafterComponent | None = None,
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT):
         super().__init__()

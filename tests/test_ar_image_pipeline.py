@@ -423,3 +423,18 @@ def test_diffusers_offload_and_attention_switches_are_refused_by_name():
         for cls in (SpeculativeMARPipeline, SpeculativeVLMPipeline):
             assert getattr(cls, name) is getattr(RefusesOffload, name), (cls, name)
     assert pipe([0], output_type="latent").tokens.shape == (1, pipe.num_tokens)  # the pipeline still runs
+
+
+def test_a_pipeline_built_from_components_drafts_the_same():
+    """`type(pipe)(**pipe.components)` dropped drafter_config: a K=2 drafter came back as a
+    default chain (other tokens for a seed under exact sampling)."""
+    target = tiny_gpt(0, dtype=torch.float32)
+    pipe = SpeculativeARImagePipeline(target=target, vq=tiny_vq(torch.float32), drafter=noisy_gpt(target, 0.3),
+                                      drafter_config={"num_draft_tokens": 2})
+    pipe.set_progress_bar_config(disable=True)
+    copy = SpeculativeARImagePipeline(**pipe.components)
+    copy.set_progress_bar_config(disable=True)
+    assert copy.config.drafter_config == pipe.config.drafter_config
+    a = pipe([0, 1], generator=torch.Generator().manual_seed(3), output_type="latent")
+    b = copy([0, 1], generator=torch.Generator().manual_seed(3), output_type="latent")
+    assert torch.equal(a.tokens, b.tokens) and a.stats.nodes_per_step == b.stats.nodes_per_step

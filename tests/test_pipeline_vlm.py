@@ -417,3 +417,15 @@ def test_folders_with_a_missing_tensor_are_refused_by_key(parts, tmp_path):
     save_file({k: v for k, v in weights.items() if k != dropped}, target_file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="the target in .* does not match its config .*missing keys"):
         SpeculativeVLMPipeline.from_pretrained(tmp_path / "p")
+
+
+def test_a_pipeline_built_from_components_answers_the_same(parts):
+    """`type(pipe)(**pipe.components)` lost the drafter (no _optional_components) and the caption
+    prompt (captions changed)."""
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["eagle"], caption_prompt="describe the image")
+    copy = SpeculativeVLMPipeline(**pipe.components)
+    assert copy.drafter is pipe.drafter and copy.config.caption_prompt == "describe the image"
+    images = random_images(2, seed=5)
+    a, b = pipe(images, max_new_tokens=6), copy(images, max_new_tokens=6)
+    assert a.texts == b.texts and a.stats.drafted_nodes == b.stats.drafted_nodes > 0
