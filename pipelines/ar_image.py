@@ -291,6 +291,16 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
                             f"{type(value).__name__}")
         super().__setattr__(name, value)
 
+    def to(self, *args, **kwargs):
+        """diffusers' `to`, and the drafter GPT held aside while Jacobi drafts (`drafter_model`)
+        follows the target (it stayed where it was: after `to(torch.float16)` switching back to it
+        drafted in float32 and saved float32 weights)."""
+        out = super().to(*args, **kwargs)
+        held = self.__dict__.get("drafter_model")
+        if isinstance(held, torch.nn.Module) and held is not self.drafter:
+            torch.nn.Module.to(held, device=self.target.device, dtype=self.target.dtype)
+        return out
+
     @property
     def components(self) -> dict:
         """diffusers' components plus the drafter settings, so that `type(pipe)(**pipe.components)`

@@ -438,3 +438,14 @@ def test_a_pipeline_built_from_components_drafts_the_same():
     a = pipe([0, 1], generator=torch.Generator().manual_seed(3), output_type="latent")
     b = copy([0, 1], generator=torch.Generator().manual_seed(3), output_type="latent")
     assert torch.equal(a.tokens, b.tokens) and a.stats.nodes_per_step == b.stats.nodes_per_step
+
+
+def test_the_held_drafter_gpt_follows_pipe_to():
+    pipe = make_pipe(torch.float32)
+    gpt = pipe.drafter
+    pipe.drafter = JacobiDrafter(4)
+    pipe.drafter_model = gpt  # held aside while Jacobi drafts
+    pipe.to(torch.bfloat16)
+    assert pipe.target.dtype == torch.bfloat16 and gpt.dtype == torch.bfloat16  # it stayed float32
+    pipe.drafter = pipe.drafter_model
+    assert pipe([0], output_type="latent", generator=torch.Generator().manual_seed(0)).tokens.shape == (1, pipe.num_tokens)
