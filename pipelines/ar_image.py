@@ -444,7 +444,10 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
     ):
         """Generate `num_images_per_prompt` images per class label. `callback_on_step_end(pipe,
         step, tokens_done, {"tokens": [B, T] (-1 = not yet), "num_tokens": [B]})` runs after every
-        target forward; it stops the run by returning {"stop": True} or setting `pipe._interrupt`."""
+        target forward; it stops the run by returning {"stop": True} or setting `pipe._interrupt`
+        (other entries it returns, edited tokens included, are not read: the run is not steered)."""
+        num_images_per_prompt, guidance_scale, temperature, top_p = (  # np.float32(3.0) means 3.0
+            plain_number(x) for x in (num_images_per_prompt, guidance_scale, temperature, top_p))
         labels = self._labels(class_labels)
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")

@@ -33,7 +33,7 @@ from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, check_sampling, check_speculative, sample_mar
 from mmspec.pipelines.cspd_self import sample_mar_self
 from mmspec.pipelines.unsupported import RefusesOffload
-from mmspec.sampling import check_generator
+from mmspec.sampling import check_generator, plain_number
 
 # num_draft_steps="auto" with draft="self": the arms are K = 0 (plain sampling) .. this many
 SELF_DRAFT_K_MAX = 4
@@ -99,6 +99,9 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
             raise TypeError(f"speculative must be True or False, got {speculative!r}")
         if not isinstance(return_dict, bool):  # diffusers reads any truthy value as True
             raise TypeError(f"return_dict must be True or False, got {return_dict!r}")
+        num_iter, guidance_scale, temperature, num_draft_steps, prefill_fraction = (  # np.float32(3.0) means 3.0
+            plain_number(x) for x in (num_iter, guidance_scale, temperature, num_draft_steps, prefill_fraction))
+        class_labels = plain_number(class_labels)
         if isinstance(class_labels, int):
             class_labels = [class_labels]
         labels = torch.as_tensor(class_labels)

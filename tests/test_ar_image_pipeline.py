@@ -406,6 +406,11 @@ def test_numpy_labels_and_top_k_are_taken_as_numbers():
     for labels in (np.array([3, 1]), [np.int64(3), np.int32(1)]):
         out = pipe(labels, top_k=np.int64(5), generator=torch.Generator().manual_seed(0), output_type="latent")
         assert torch.equal(out.tokens, ref)
+    ref = pipe([3], num_images_per_prompt=2, guidance_scale=3.0, generator=torch.Generator().manual_seed(0),
+               output_type="latent").tokens
+    out = pipe([3], num_images_per_prompt=np.int64(2), guidance_scale=np.float32(3.0),
+               generator=torch.Generator().manual_seed(0), output_type="latent")  # "must be a finite number" before
+    assert torch.equal(out.tokens, ref)
 
 
 def test_diffusers_offload_and_attention_switches_are_refused_by_name():

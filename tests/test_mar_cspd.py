@@ -468,3 +468,19 @@ def test_a_draft_length_past_the_last_step_is_clamped_and_a_discrete_rule_refuse
     for bad in ("continuous", ExactAcceptance()):
         with pytest.raises(ValueError, match="acceptance must be a ContinuousAcceptance"):
             sample_mar(m, labels, num_iter=3, drafter=tiny_mar(1), acceptance=bad)
+
+
+def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
+    """np.float32(3.0) as guidance was refused as "must be a finite number"; np.int64 steps and
+    labels too."""
+    import numpy as np
+
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    pipe = SpeculativeMARPipeline(transformer=tiny_mar(), vae=tiny_vae(), drafter=tiny_mar(seed=1))
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(output_type="latent", num_iter=4, guidance_scale=2.0, num_draft_steps=2)
+    ref = pipe([1], generator=torch.Generator().manual_seed(0), **kw).images
+    out = pipe(np.int64(1), generator=torch.Generator().manual_seed(0), output_type="latent", num_iter=np.int64(4),
+               guidance_scale=np.float32(2.0), num_draft_steps=np.int64(2)).images
+    assert torch.equal(out, ref)
