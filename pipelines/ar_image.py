@@ -67,6 +67,11 @@ DEFAULT_DRAFTER_CONFIG = {"kind": "model", "num_draft_tokens": 4, "tree": None, 
                           "coupling": "maximal", "init": "random", "max_window": None}
 
 
+# What `from_pretrained` of a saved folder hands to diffusers (anything else is refused by name).
+SAVED_LAYOUT_OPTIONS = frozenset({"torch_dtype", "dtype", "variant", "use_safetensors", "low_cpu_mem_usage", "drafter",
+                                  "drafter_config", "target", "vq"})
+
+
 def jacobi_from_config(settings: dict) -> JacobiDrafter:
     """The JacobiDrafter a drafter_config describes (window an int, or "auto" with max_window)."""
     full = {**DEFAULT_DRAFTER_CONFIG, **settings}
@@ -344,9 +349,16 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
             raise ValueError(f"{path}: not a pipeline folder (mmspec loads local folders only)")
+        for key in ("torch_dtype", "dtype"):  # "float16" loaded float32 (saved layout) or failed as a device string
+            if kwargs.get(key) is not None and not isinstance(kwargs[key], torch.dtype):
+                raise TypeError(f"{key} must be a torch.dtype (torch.float16, ...), got {kwargs[key]!r}")
         index = path / "model_index.json"
         if not index.is_file():
             return cls._from_testbed_layout(path, **kwargs)
+        unknown = sorted(set(kwargs) - SAVED_LAYOUT_OPTIONS)
+        if unknown:  # diffusers only logs "will be ignored" (torch_dtpye= loaded float32)
+            raise TypeError(f"from_pretrained() got unsupported argument(s) {unknown}; a saved pipeline folder takes "
+                            f"{sorted(SAVED_LAYOUT_OPTIONS)}")
         name = json.loads(index.read_text()).get("_class_name")
         if name != cls.__name__:
             raise ValueError(f"{path} holds a {name} pipeline, not a {cls.__name__}")

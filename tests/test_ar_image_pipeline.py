@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -454,3 +455,17 @@ def test_the_held_drafter_gpt_follows_pipe_to():
     assert pipe.target.dtype == torch.bfloat16 and gpt.dtype == torch.bfloat16  # it stayed float32
     pipe.drafter = pipe.drafter_model
     assert pipe([0], output_type="latent", generator=torch.Generator().manual_seed(0)).tokens.shape == (1, pipe.num_tokens)
+
+
+def test_load_options_are_honoured_or_refused_by_name(tmp_path):
+    """A saved folder took torch_dtpye= (diffusers logs "will be ignored": float32 loaded) and
+    torch_dtype="float16" (float32 loaded); the testbed layout failed on it as a device string."""
+    pipe = make_pipe(torch.float32)
+    pipe.save_pretrained(tmp_path / "p")
+    assert SpeculativeARImagePipeline.from_pretrained(tmp_path / "p", torch_dtype=torch.bfloat16).target.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match=r"unsupported argument\(s\) \['torch_dtpye'\]"):
+        SpeculativeARImagePipeline.from_pretrained(tmp_path / "p", torch_dtpye=torch.float16)
+    bundle = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "imagegen"
+    for folder in (tmp_path / "p", bundle):
+        with pytest.raises(TypeError, match="torch_dtype must be a torch.dtype"):
+            SpeculativeARImagePipeline.from_pretrained(folder, torch_dtype="float16")
