@@ -208,11 +208,22 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
             return images, stats
         return MARPipelineOutput(images=images, stats=stats)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """diffusers' `save_pretrained`, without the options `from_pretrained` cannot read back
+        (a `variant="fp16"` folder loaded with neither call)."""
+        bad = sorted(k for k in ("variant", "push_to_hub") if kwargs.get(k))
+        if bad:
+            raise ValueError(f"SpeculativeMARPipeline.save_pretrained: {bad} not supported (from_pretrained loads a "
+                             "plain local folder); cast with pipe.to(dtype) before saving instead of a variant")
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, torch_dtype: torch.dtype | None = None, **kwargs):
         """Load a folder written by `save_pretrained` (local folders only)."""
         if kwargs:
             raise ValueError(f"SpeculativeMARPipeline.from_pretrained does not take {sorted(kwargs)}")
+        if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):  # "float16" loaded float32
+            raise TypeError(f"torch_dtype must be a torch.dtype (torch.float16, ...), got {torch_dtype!r}")
         root = str(pretrained_model_name_or_path)
         index_path = os.path.join(root, "model_index.json")
         if not os.path.isfile(index_path):

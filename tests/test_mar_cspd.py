@@ -484,3 +484,16 @@ def test_numpy_scalars_are_taken_as_the_numbers_they_hold():
     out = pipe(np.int64(1), generator=torch.Generator().manual_seed(0), output_type="latent", num_iter=np.int64(4),
                guidance_scale=np.float32(2.0), num_draft_steps=np.int64(2)).images
     assert torch.equal(out, ref)
+
+
+def test_save_and_load_options_it_cannot_read_back_are_refused(tmp_path):
+    from mmspec.pipelines import SpeculativeMARPipeline
+
+    pipe = SpeculativeMARPipeline(transformer=tiny_mar(), vae=tiny_vae(), drafter=tiny_mar(seed=1))
+    with pytest.raises(ValueError, match=r"\['variant'\] not supported"):
+        pipe.save_pretrained(tmp_path / "v", variant="fp16")  # wrote a folder neither load call could read
+    assert not (tmp_path / "v").exists()
+    pipe.save_pretrained(tmp_path / "p")
+    with pytest.raises(TypeError, match="torch_dtype must be a torch.dtype"):
+        SpeculativeMARPipeline.from_pretrained(tmp_path / "p", torch_dtype="float16")  # loaded float32
+    assert SpeculativeMARPipeline.from_pretrained(tmp_path / "p", torch_dtype=torch.bfloat16).transformer.dtype == torch.bfloat16
