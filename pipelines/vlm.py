@@ -261,6 +261,8 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
             if dtype is not None and dtype != torch_dtype:
                 raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
             dtype = torch_dtype
+        if dtype is not None and not isinstance(dtype, torch.dtype):  # a per-component dict loaded float32
+            raise TypeError(f"dtype / torch_dtype must be a torch.dtype (torch.float16, ...), got {dtype!r}")
 
         d = Path(directory)
         if not d.is_dir():

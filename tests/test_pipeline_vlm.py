@@ -317,6 +317,9 @@ def test_load_and_save_options_are_honoured_or_refused(parts, tmp_path):
     assert half.target.dtype == torch.float32
     with pytest.raises(TypeError, match=r"unsupported argument\(s\) \['dtpye'\]"):
         SpeculativeVLMPipeline.from_pretrained(tmp_path / "p", dtpye=torch.float16)
+    for bad in ("float16", {"target": torch.float16}):  # loaded float32
+        with pytest.raises(TypeError, match="must be a torch.dtype"):
+            SpeculativeVLMPipeline.from_pretrained(tmp_path / "p", torch_dtype=bad)
     with pytest.raises(ValueError, match="disagree"):
         SpeculativeVLMPipeline.from_pretrained(tmp_path / "p", dtype=torch.float64, torch_dtype=torch.float32)
     with pytest.raises(ValueError, match="push_to_hub=True is not supported"):
