@@ -215,3 +215,26 @@ def test_the_vocabulary_is_the_bundled_models_own():
     built = json.loads(build_tokenizer().backend_tokenizer.to_str())["model"]["vocab"]
     for path in (assets / "vlm" / "processor" / "tokenizer.json", assets / "tokenizer" / "tokenizer.json"):
         assert json.loads(path.read_text())["model"]["vocab"] == built, path
+
+
+def test_world_image_size_comes_from_the_config_or_must_agree_with_it():
+    """World(config=WorldConfig(image_size=128)) rendered 64 px: the default image_size argument
+    replaced the config's value."""
+    import pytest
+
+    from mmspec.testbed.world import World, WorldConfig
+
+    assert World(seed=0, config=WorldConfig(image_size=128)).sample(1)[0].image.size == (128, 128)
+    assert World(seed=0).sample(1)[0].image.size == (64, 64)
+    assert World(seed=0, image_size=96).sample(1)[0].image.size == (96, 96)
+    with pytest.raises(ValueError, match="image_size=64 and config.image_size=128 disagree"):
+        World(seed=0, image_size=64, config=WorldConfig(image_size=128))
+
+
+def test_imagegen_codebooks_past_int16_are_refused_before_training():
+    import pytest
+
+    from mmspec.testbed.imagegen_train import ImageGenTrainConfig
+
+    with pytest.raises(ValueError, match="vq_codebook_size must be in 2..32767"):
+        ImageGenTrainConfig(vq_codebook_size=40000)  # codes were stored as int16 (wrapped around)

@@ -86,6 +86,8 @@ class ImageGenTrainConfig:
     top_k: int | None = None
 
     def __post_init__(self):
+        if not 2 <= self.vq_codebook_size <= 32767:  # the encoded data keeps codes as int16 (larger wrapped around)
+            raise ValueError(f"ImageGenTrainConfig.vq_codebook_size must be in 2..32767, got {self.vq_codebook_size}")
         for name in ("vq_steps", "n_train", "n_val", "steps", "batch_size", "drafter_steps", "n_eval", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ImageGenTrainConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -135,14 +135,16 @@ class Scene:
 class World:
     """Deterministic scene generator. ``World(seed=0, image_size=64).sample(n)``."""
 
-    def __init__(self, seed: int = 0, image_size: int = 64, *, split: str = "train",
+    def __init__(self, seed: int = 0, image_size: int | None = None, *, split: str = "train",
                  config: WorldConfig | None = None) -> None:
+        """`image_size` (default 64) or `config.image_size`: given both, they must agree (the
+        default 64 replaced a config's 128 silently)."""
         if split not in SPLITS:
             raise ValueError(f"split={split!r}: must be one of {list(SPLITS)}")
         if config is None:
-            config = WorldConfig(image_size=image_size)
-        elif config.image_size != image_size:
-            config = dataclasses.replace(config, image_size=image_size)
+            config = WorldConfig(image_size=64 if image_size is None else image_size)
+        elif image_size is not None and config.image_size != image_size:
+            raise ValueError(f"image_size={image_size} and config.image_size={config.image_size} disagree; give one")
         self.config = config
         self.seed = int(seed)
         self.split = split
