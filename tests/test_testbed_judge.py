@@ -59,6 +59,13 @@ def test_bad_inputs_name_the_argument():
     assert set(judge.score(ok, torch.tensor([0, 1, 2, 3], dtype=torch.int32))) == {"accuracy", "frechet"}
     with pytest.raises(ValueError, match="width"):
         JudgeConfig(width=0)
+    from mmspec.testbed.judge_model import JudgeTrainConfig
+
+    # found after training: --val-scenes 1 ("at least 2 images"), --lr inf (a raw LinAlgError)
+    for kwargs, message in ((dict(val_scenes=1), "val_scenes must be >= 2"), (dict(lr=float("inf")), "lr must be a finite"),
+                            (dict(lr=float("nan")), "lr must be a finite")):
+        with pytest.raises(ValueError, match=message):
+            JudgeTrainConfig(**kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,14 @@ def test_bad_stage_and_config_refused(tmp_path):
     for kwargs, message in ((dict(target_dim=0), "target_dim must be >= 1"), (dict(draft_depth=0), "draft_depth must be >= 1"),
                             (dict(target_dim=6), "encoder_embed_dim=6 must be divisible"),
                             (dict(mar_lr=-1e-3), "mar_lr must be a finite number > 0"),
-                            (dict(vae_lr=float("nan")), "vae_lr must be a finite number > 0")):
+                            (dict(vae_lr=float("nan")), "vae_lr must be a finite number > 0"),
+                            # checked only at the eval stage, after every training stage (or never)
+                            (dict(eval_num_iter=0), r"eval_num_iter: num_iter must be an int in \[1, 64\]"),
+                            (dict(eval_num_iter=1000), "eval_num_iter"),
+                            (dict(eval_guidance=float("nan")), "eval_guidance must be a finite number"),
+                            (dict(eval_temperature=float("inf")), "eval_temperature must be a finite number > 0"),
+                            (dict(vae_kl=-1.0), "vae_kl must be a finite number >= 0"),
+                            (dict(buffer_size=-1), "buffer_size must be >= 0")):
         with pytest.raises(ValueError, match=message):
             MARTrainConfig(**kwargs)
     with pytest.raises(SystemExit, match="target_dim must be >= 1"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -65,8 +66,10 @@ class JudgeTrainConfig:
         for name in ("train_scenes", "val_scenes", "steps", "batch_size", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"JudgeTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"JudgeTrainConfig.lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):  # inf trained, then a raw LinAlgError
+            raise ValueError(f"JudgeTrainConfig.lr must be a finite number > 0, got {self.lr}")
+        if self.val_scenes < 2:  # found after training: the Frechet reference needs a covariance
+            raise ValueError(f"JudgeTrainConfig.val_scenes must be >= 2, got {self.val_scenes}")
 
 
 class Judge(nn.Module):

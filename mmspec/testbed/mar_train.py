@@ -115,8 +115,15 @@ class MARTrainConfig:
         if self.vae_crop > 64 or self.vae_crop % stride:
             raise ValueError(f"MARTrainConfig.vae_crop must be <= 64 and a multiple of the VAE stride {stride}, "
                              f"got {self.vae_crop}")
-        if not self.eval_temperature > 0:
-            raise ValueError(f"MARTrainConfig.eval_temperature must be > 0, got {self.eval_temperature}")
+        if not (math.isfinite(self.eval_temperature) and self.eval_temperature > 0):
+            raise ValueError(f"MARTrainConfig.eval_temperature must be a finite number > 0, got {self.eval_temperature}")
+        # Checked here, not at the eval stage after an hour of training (or never: vae_kl, buffer_size).
+        if not math.isfinite(self.eval_guidance):
+            raise ValueError(f"MARTrainConfig.eval_guidance must be a finite number, got {self.eval_guidance}")
+        if not (math.isfinite(self.vae_kl) and self.vae_kl >= 0):
+            raise ValueError(f"MARTrainConfig.vae_kl must be a finite number >= 0, got {self.vae_kl}")
+        if self.buffer_size < 0:
+            raise ValueError(f"MARTrainConfig.buffer_size must be >= 0, got {self.buffer_size}")
         if not 0.0 <= self.mask_ratio_min < 1.0:
             raise ValueError(f"MARTrainConfig.mask_ratio_min must be in [0, 1), got {self.mask_ratio_min}")
         if self.n_eval < 2:
@@ -132,8 +139,14 @@ class MARTrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"MARTrainConfig.{name} must be >= 1, got {getattr(self, name)}")
         with torch.device("meta"):
-            make_mar(self, self.target_dim, self.target_depth, self.target_head)
+            target = make_mar(self, self.target_dim, self.target_depth, self.target_head)
             make_mar(self, self.draft_dim, self.draft_depth, self.draft_head)
+        from mmspec.models.mar import mar_schedule
+
+        try:
+            mar_schedule(target.seq_len, self.eval_num_iter)  # eval_num_iter in [1, tokens]
+        except ValueError as e:
+            raise ValueError(f"MARTrainConfig.eval_num_iter: {e}") from None
 
 
     def world_config(self):
