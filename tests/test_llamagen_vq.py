@@ -126,6 +126,10 @@ def test_encode_decode_shapes_and_code_range():
         model.encode(pixels(s=18))
     with pytest.raises(ValueError, match=r"\[0, 16\)"):
         model.decode(torch.full((1, 2, 2), 16))
+    for dtype in (torch.float32, torch.uint8, torch.bool):  # a raw IndexError (uint8 / bool index as masks)
+        with pytest.raises(ValueError, match="codes must be an integer tensor"):
+            model.decode(codes.to(dtype))
+    assert torch.equal(model.decode(codes.to(torch.int32)), out)
 
 
 @pytest.mark.parametrize("kw, field", [

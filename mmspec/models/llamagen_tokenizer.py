@@ -325,6 +325,8 @@ class LlamaGenVQ(nn.Module):
         """codes [B, h, w] -> pixels [B, 3, H, W] in [-1, 1] (clamped)."""
         if codes.dim() != 3:
             raise ValueError(f"codes must be [B, h, w], got {tuple(codes.shape)}")
+        if codes.is_floating_point() or codes.dtype == torch.bool or codes.dtype == torch.uint8:
+            raise ValueError(f"codes must be an integer tensor (int64 / int32 / int16), got {codes.dtype}")
         v = self.config.codebook_size
         if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= v):
             raise ValueError(f"codes must lie in [0, {v})")

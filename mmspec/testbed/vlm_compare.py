@@ -9,7 +9,9 @@ accuracies, the scenes only one of them gets right, the difference B - A with a 
 (the Wald interval of a paired difference of proportions: d = (c - b) / n, se = sqrt(b + c -
 (c - b)^2 / n) / n, where b, c count the scenes only A, only B gets right), and the exact
 two-sided McNemar p-value (a binomial test of b against b + c at one half). "Within noise"
-here means: the interval covers 0 (equivalently, for these sizes, p >= 0.05). A paired test
+here means: the interval covers 0. The two usually agree with p >= 0.05 but not always: with
+few discordant scenes the Wald interval is the stricter (0 against 5 of 200 scenes: the
+interval excludes 0, "DIFFERENT", while p = 0.0625); read the p-value beside the label. A paired test
 is the right one for two models on one scene set: the scenes both get right or both get wrong
 carry no information on which model is better, and the shared scene sample is not counted
 twice as two independent samples would be.
