@@ -238,3 +238,14 @@ def test_imagegen_codebooks_past_int16_are_refused_before_training():
 
     with pytest.raises(ValueError, match="vq_codebook_size must be in 2..32767"):
         ImageGenTrainConfig(vq_codebook_size=40000)  # codes were stored as int16 (wrapped around)
+
+
+def test_world_settings_that_failed_inside_numpy_are_refused_by_name():
+    import pytest
+
+    from mmspec.testbed.world import World, WorldConfig
+
+    with pytest.raises(ValueError, match="colours: .* repeats an entry"):
+        WorldConfig(colours=("red", "red", "blue"))
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        World(seed=-1)

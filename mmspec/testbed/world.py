@@ -93,6 +93,10 @@ class WorldConfig:
         for b in self.backgrounds:
             if b not in BACKGROUNDS:
                 raise ValueError(f"backgrounds: unknown background {b!r}; known: {list(BACKGROUNDS)}")
+        for name in ("colours", "shapes", "backgrounds"):  # a repeat counted as another class, then failed in numpy
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: {list(values)} repeats an entry; list each once")
         if len(self.colours) < 2 or len(self.shapes) < 1 or not self.backgrounds:
             raise ValueError("colours needs >= 2 entries, shapes and backgrounds >= 1")
         if self.image_size < 32:
@@ -146,6 +150,8 @@ class World:
         elif image_size is not None and config.image_size != image_size:
             raise ValueError(f"image_size={image_size} and config.image_size={config.image_size} disagree; give one")
         self.config = config
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's "expected non-negative integer"
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.seed = int(seed)
         self.split = split
 
