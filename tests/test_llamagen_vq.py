@@ -126,6 +126,11 @@ def test_encode_decode_shapes_and_code_range():
         model.encode(pixels(s=18))
     with pytest.raises(ValueError, match=r"\[0, 16\)"):
         model.decode(torch.full((1, 2, 2), 16))
+    from mmspec.models import LlamaGenVQ
+
+    judge = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "judge"
+    with pytest.raises(ValueError, match="judge is not a VQ tokenizer folder"):
+        LlamaGenVQ.from_pretrained(judge)  # said only "unknown VQConfig fields"
     for dtype in (torch.float32, torch.uint8, torch.bool):  # a raw IndexError (uint8 / bool index as masks)
         with pytest.raises(ValueError, match="codes must be an integer tensor"):
             model.decode(codes.to(dtype))

@@ -377,7 +377,11 @@ class LlamaGenVQ(nn.Module):
             from safetensors.torch import load_file
 
             state = load_file(str(path / WEIGHTS_NAME))
-            config = config or VQConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
+            try:
+                config = config or VQConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
+            except ValueError as e:  # another model's folder (a judge, a VLM) said only "unknown fields"
+                raise ValueError(f"{path} is not a VQ tokenizer folder ({e}); pass the VQ's own folder, e.g. "
+                                 "assets/testbed/vq") from None
         elif path.is_file():
             state = _official_state_dict(path)
             config = config or infer_config(state)
