@@ -512,3 +512,54 @@ def test_llamagen_target_kernels(monkeypatch):
                                       LABELS[:1].view(1, 1), temperature=0, max_new_tokens=12)
     assert calls and 1 not in calls  # verifies of 5 tokens packed, the one-row prefill on the GPT itself
     assert torch.equal(out.sequences, run(llamagen_target(gpt, 1.0, prepack=False)).sequences[:1])
+
+
+def test_data_edits_are_followed_after_repack():
+    """Edits through p.data (an EMA's copy_, weight surgery) bypass the version counter the view
+    checks: documented, and `repack(model)` makes the view follow them."""
+    from mmspec.models.prepack import repack
+
+    model = tiny_llama(layers=1, seed=4, vocab=V, hidden=48, dtype=torch.float32)
+    view = packed_model(model)
+    ids = torch.randint(3, V, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        view(input_ids=ids)
+        for p in model.parameters():
+            p.data.mul_(1.5)
+        ref = model(input_ids=ids).logits
+        stale = view(input_ids=ids).logits
+        repack(model)
+        after = view(input_ids=ids).logits
+    assert not torch.allclose(stale, ref, atol=1e-3)  # what the docstring now says: not seen by itself
+    assert torch.allclose(after, ref, rtol=0, atol=1e-5 * ref.abs().max())
+
+
+def test_linears_carrying_other_state_run_their_own_forward():
+    """weight_norm / spectral_norm / LoRA-style Linears lost their state in a PackedLinear, whose
+    copied hooks then failed (AttributeError 'weight_g'), even under the default prepack="auto"
+    (the measurement packed them); the measurement also ran the model's hooks on random inputs."""
+    from mmspec.models.prepack import packable
+
+    model = tiny_llama(layers=1, seed=5, vocab=V, hidden=48, dtype=torch.float32)
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj = torch.nn.utils.weight_norm(mlp.up_proj)
+    mlp.down_proj = torch.nn.utils.spectral_norm(mlp.down_proj)
+    lora = model.model.layers[0].self_attn.q_proj
+    lora.lora_B = torch.nn.Parameter(torch.randn(lora.out_features, 2) * 0.1)
+    lora.lora_A = torch.nn.Parameter(torch.randn(2, lora.in_features) * 0.1)
+    lora.register_forward_hook(lambda m, inp, out: out + inp[0] @ m.lora_A.T @ m.lora_B.T)
+    assert not any(packable(m) for m in (mlp.up_proj, mlp.down_proj, lora)) and packable(mlp.gate_proj)
+    calls = []
+    model.lm_head.register_forward_hook(lambda m, inp, out: calls.append(inp[0].shape))
+    model.eval()
+    ids, mask = left_padded([6, 4], vocab=V)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=0,
+                             eos_token_id=None)
+    for prepack in ("auto", True):
+        calls.clear()
+        target = HFTarget(model, prepack=prepack)
+        assert calls == []  # the measurement no longer runs the model's hooks
+        out = mmspec.speculative_generate(target, ModelDrafter(noisy_copy(model, 0.2), 3), ids, mask, temperature=0,
+                                          max_new_tokens=8)
+        assert torch.equal(out.sequences, ref)

@@ -94,9 +94,9 @@ def measure(model: torch.nn.Module, rows: tuple[int, ...] = ROWS, budget_s: floa
     For large models the pass covers the first layers up to `PASS_BYTES` of weights, which is
     far beyond any CPU cache. The kernels alternate pass by pass and each keeps its fastest
     pass: interference (another process, a page fault) only ever adds time."""
-    from mmspec.models.prepack import PackedLinear
+    from mmspec.models.prepack import PackedLinear, packable
 
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    linears = [m for m in model.modules() if packable(m)]  # the layers a view would pack
     shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in linears)
     key = (tuple(sorted(shapes.items())), tuple(rows))
     cached = _CACHE.get(model)
@@ -120,9 +120,9 @@ def measure(model: torch.nn.Module, rows: tuple[int, ...] = ROWS, budget_s: floa
             for m in chosen:
                 F.linear(inputs[m.in_features], m.weight, m.bias)
 
-        def packed_call():
+        def packed_call():  # (forward, not __call__: the model's hooks must not see the random inputs)
             for m in packed_layers:
-                m(inputs[m.in_features])
+                m.forward(inputs[m.in_features])
 
         stock_call(), packed_call()  # warm-up (allocator, first-call dispatch)
         s_t = p_t = float("inf")

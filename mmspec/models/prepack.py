@@ -14,7 +14,10 @@ packed copy (the original model is never modified). The packed copy doubles the 
 the linear weights, so `"auto"` only packs float32 CPU models whose linear weights fit in
 `AUTO_BUDGET_BYTES`. A packed copy is rebuilt when its weight changes in place (tracked by
 the tensor version counter and data pointer), so a drafter trained between calls never
-drafts with stale weights. The view never goes stale in structure either: every
+drafts with stale weights. Edits through `p.data` (`p.data.mul_`, an EMA's `p.data.copy_`)
+bypass the version counter and are not seen: call `repack(model)` after them. Only plain
+`nn.Linear` layers are packed (`packable`): one carrying other state (weight_norm's weight_g,
+spectral_norm's buffers, a LoRA-style extra tensor or child) runs its own stock forward. The view never goes stale in structure either: every
 `packed_model` / `maybe_packed` / `refresh` call compares a fingerprint of the model (its
 modules, their attributes, parameters, buffers, hooks and training flags) with the one the
 view was built from and rebuilds the view in place when they differ (hooks added or removed,
@@ -90,7 +93,7 @@ class PackedLinear(torch.nn.Module):
 
 
 def _linear_bytes(model: torch.nn.Module) -> int:
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is torch.nn.Linear)
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if packable(m))
 
 
 def should_prepack(model: torch.nn.Module, prepack="auto") -> bool:
@@ -131,6 +134,28 @@ _HOOK_PREFIXES = ("_forward", "_backward", "_state_dict")
 _TRACKED = ("_parameters", "_buffers", "_modules") + _HOOK_PREFIXES
 
 
+def packable(module: torch.nn.Module) -> bool:
+    """A plain `nn.Linear`: weight (and bias) parameters only, no buffers, no child modules and
+    no tensor-valued extra attributes, so a `PackedLinear` computes what it does (weight_norm,
+    spectral_norm or LoRA-style state was lost, and the copied hooks then failed looking for it)."""
+    if type(module) is not torch.nn.Linear or module._buffers or module._modules:
+        return False
+    params = module._parameters
+    if set(params) - {"weight", "bias"} or not isinstance(params.get("weight"), torch.nn.Parameter):
+        return False
+    return not any(isinstance(v, (torch.Tensor, torch.nn.Module)) for k, v in vars(module).items()
+                   if not k.startswith("_"))
+
+
+def repack(model: torch.nn.Module) -> None:
+    """Rebuild the packed copies of `model`'s view at their next use: for weights edited
+    through `p.data`, which the version-counter check cannot see."""
+    entry = _VIEWS.get(model)
+    for m in () if entry is None else entry.view.modules():
+        if isinstance(m, PackedLinear):
+            m._version = -1
+
+
 def _copy_hooks(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     for name, value in vars(src).items():
         if name.startswith(_HOOK_PREFIXES) and isinstance(value, dict):
@@ -141,7 +166,7 @@ def _view(module: torch.nn.Module, memo: dict, reuse: dict, into: torch.nn.Modul
           policy=None) -> torch.nn.Module:
     if id(module) in memo:
         return memo[id(module)]
-    if type(module) is not torch.nn.Linear:
+    if not packable(module):
         if into is None:
             new = copy.copy(module)  # shallow: shares parameter tensors, buffers and config
         else:  # rebuild the root in place: runners holding the view see the new state
