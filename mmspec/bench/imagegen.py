@@ -248,14 +248,10 @@ def verify_cost(pipe, B: int, scale: float, widths=(1, 2, 4, 5, 8, 9, 16, 17), c
 def check_judge(pipe, judge_dir: str) -> None:
     """The judge scores testbed-world images of its own size and classes: refuse another
     generator before the timed runs (it was scored, or refused, only after all of them)."""
-    from mmspec.testbed.judge_model import Judge
+    from mmspec.testbed.judge_model import check_judge_fits
 
-    c = Judge.from_pretrained(judge_dir).config
-    size = pipe.vq.token_grid * pipe.vq.vq_config.downsample
-    if pipe.num_classes != c.num_classes or size != c.image_size:
-        raise ValueError(f"judge_dir={judge_dir!r} scores {c.image_size}x{c.image_size} testbed images of "
-                         f"{c.num_classes} classes; this generator makes {size}x{size} images of {pipe.num_classes} "
-                         "classes (use judge_images=0 / drop --judge-images)")
+    check_judge_fits(judge_dir, pipe.num_classes, pipe.vq.token_grid * pipe.vq.vq_config.downsample,
+                     "this generator", "use judge_images=0 / drop --judge-images")
 
 
 def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str], progress) -> dict:

@@ -51,7 +51,7 @@ from mmspec.bench.report import partial_saver, save
 from mmspec.devices import check_device, device_name
 from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
 from mmspec.testbed.judge_model import JUDGE_DIR
-JUDGE_IMAGE_SIZE = 64  # the testbed world's image size, which the judge was trained on
+
 METHODS = ("plain", "cspd", "cspd-self", "cspd-relaxed")
 
 
@@ -202,14 +202,10 @@ def _sync(pipe) -> None:
 
 def check_judge(pipe, judge_dir) -> None:
     """The judge scores testbed-world images against its own classes: refuse other folders."""
-    from mmspec.testbed.judge_model import Judge
+    from mmspec.testbed.judge_model import check_judge_fits
 
-    judge_cfg = Judge.from_pretrained(str(judge_dir)).config
-    n_cls, size = pipe.transformer.config.class_num, pipe.transformer.config.img_size
-    if n_cls != judge_cfg.num_classes or size != JUDGE_IMAGE_SIZE:
-        raise ValueError(f"judge={str(judge_dir)!r} scores {JUDGE_IMAGE_SIZE}x{JUDGE_IMAGE_SIZE} testbed images of "
-                         f"{judge_cfg.num_classes} classes; this MAR makes {size}x{size} images of {n_cls} classes "
-                         "(drop --judge)")
+    check_judge_fits(judge_dir, pipe.transformer.config.class_num, pipe.transformer.config.img_size, "this MAR",
+                     "drop --judge")
 
 
 def judge_quality(pipe, cfg: MARBenchConfig, call: dict, progress) -> dict:

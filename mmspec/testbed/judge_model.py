@@ -168,6 +168,16 @@ class Judge(nn.Module):
         return judge.eval()
 
 
+def check_judge_fits(judge_dir, num_classes: int, image_size: int, what: str, drop: str) -> None:
+    """Refuse (ValueError) a generator the judge in `judge_dir` cannot score: it scores testbed
+    images of its own size and classes. `what` names the generator, `drop` the option to drop."""
+    c = Judge.from_pretrained(str(judge_dir)).config
+    if num_classes != c.num_classes or image_size != c.image_size:
+        raise ValueError(f"judge {str(judge_dir)!r} scores {c.image_size}x{c.image_size} testbed images of "
+                         f"{c.num_classes} classes; {what} makes {image_size}x{image_size} images of {num_classes} "
+                         f"classes ({drop})")
+
+
 def to_pixels(images) -> torch.Tensor:
     """PIL images or a [B, 3, H, W] tensor in [-1, 1] -> float32 tensor [B, 3, H, W]."""
     if isinstance(images, torch.Tensor):
