@@ -31,6 +31,15 @@ def check_device(device, what: str = "device", allowed: tuple[str, ...] = ("cpu"
             raise ValueError(f"{what}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
+def check_dtype(dtype, what: str = "torch_dtype") -> None:
+    """`dtype` must be None or a torch.dtype: a pipeline's `from_pretrained` loaded float32 for a
+    string ("float16") or a per-component dict, or took the string for a device (TypeError)."""
+    import torch
+
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype (torch.float16, ...), got {dtype!r}")
+
+
 def move_pipeline(pipe, device):
     """Move a pipeline the CLIs loaded (on the CPU) to `device` (checked before loading); the
     seeds' generators stay on the CPU (diffusers' convention), so a seed draws the same numbers

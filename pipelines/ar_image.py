@@ -50,6 +50,7 @@ from diffusers.utils import BaseOutput, is_accelerate_available
 
 import mmspec
 from mmspec.acceptance import RULES, get_rule, is_position_keyed
+from mmspec.devices import check_dtype
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
 from mmspec.models.llamagen_gpt import LlamaGenGPT
 from mmspec.models.llamagen_sample import CFG_SCHEDULES, check_guidance_scale
@@ -349,9 +350,8 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
             raise ValueError(f"{path}: not a pipeline folder (mmspec loads local folders only)")
-        for key in ("torch_dtype", "dtype"):  # "float16" loaded float32 (saved layout) or failed as a device string
-            if kwargs.get(key) is not None and not isinstance(kwargs[key], torch.dtype):
-                raise TypeError(f"{key} must be a torch.dtype (torch.float16, ...), got {kwargs[key]!r}")
+        for key in ("torch_dtype", "dtype"):
+            check_dtype(kwargs.get(key), key)
         index = path / "model_index.json"
         if not index.is_file():
             return cls._from_testbed_layout(path, **kwargs)

@@ -29,6 +29,7 @@ from diffusers.utils import BaseOutput, is_accelerate_available
 
 from mmspec.acceptance import CONTINUOUS_RULES, ContinuousAcceptance
 from mmspec.adaptive_window import WindowBandit
+from mmspec.devices import check_dtype
 from mmspec.models.mar import MARModel, mar_schedule
 from mmspec.pipelines.cspd import MARStats, check_drafter, check_sampling, check_speculative, sample_mar
 from mmspec.pipelines.cspd_self import sample_mar_self
@@ -222,8 +223,7 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         """Load a folder written by `save_pretrained` (local folders only)."""
         if kwargs:
             raise ValueError(f"SpeculativeMARPipeline.from_pretrained does not take {sorted(kwargs)}")
-        if torch_dtype is not None and not isinstance(torch_dtype, torch.dtype):  # "float16" loaded float32
-            raise TypeError(f"torch_dtype must be a torch.dtype (torch.float16, ...), got {torch_dtype!r}")
+        check_dtype(torch_dtype)
         root = str(pretrained_model_name_or_path)
         index_path = os.path.join(root, "model_index.json")
         if not os.path.isfile(index_path):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 
+from mmspec.devices import check_dtype
 from mmspec.engine import _resolve_rule, speculative_generate
 from mmspec.sampling import SamplingConfig, check_generator, plain_number
 from mmspec.models.hf_target import HFTarget
@@ -261,8 +262,7 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
             if dtype is not None and dtype != torch_dtype:
                 raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree; pass one of them")
             dtype = torch_dtype
-        if dtype is not None and not isinstance(dtype, torch.dtype):  # a per-component dict loaded float32
-            raise TypeError(f"dtype / torch_dtype must be a torch.dtype (torch.float16, ...), got {dtype!r}")
+        check_dtype(dtype, "dtype / torch_dtype")
 
         d = Path(directory)
         if not d.is_dir():
