@@ -172,7 +172,12 @@ def _rule_tables(acceptance, kwargs: dict, target, drafter) -> dict:
     return {**kwargs, **{name: tables[name] for name in required}}
 
 
-def _resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig, target, drafter):
+def resolve_rule(acceptance, acceptance_kwargs, sampling: SamplingConfig, target, drafter):
+    """The acceptance rule a request runs, as `speculative_generate` builds it: a rule name (with
+    `acceptance_kwargs` and the tables a target provides, e.g. a VQ codebook) or a rule object,
+    checked against the protocol and the sampling settings (a greedy-only rule is refused when
+    sampling; at temperature 0 a rule's greedy form is taken). Pipelines call it to refuse bad
+    options before any work, then pass the returned object on."""
     from mmspec.acceptance import get_rule  # core -> rules only at call time (layering)
 
     if acceptance_kwargs is not None and not isinstance(acceptance, str):
@@ -291,16 +296,16 @@ def speculative_generate(
             f"drafter {type(drafter).__name__} reads target features {features} but target {type(target).__name__} "
             "does not declare supports_features"
         )
-    rule = _resolve_rule(acceptance, acceptance_kwargs, sampling, target, drafter)
+    rule = resolve_rule(acceptance, acceptance_kwargs, sampling, target, drafter)
     stats = SpecStats(new_tokens=[0] * input_ids.shape[0], lossless=bool(rule.lossless))
     kernels = [getattr(c, "kernels", "") for c in (target, drafter)]
     stats.kernels = f"target {kernels[0] or 'n/a'}, drafter {kernels[1] or 'n/a'}"
     if max_new_tokens == 0:
         # Nothing to generate, but the inputs are still checked as at any length (a misspelt
         # option or an image on a text model passed here and was refused at 4 tokens).
-        spec = getattr(target, "spec", None) or getattr(getattr(target, "target", None), "spec", None)
-        if spec is not None and model_inputs:
-            spec.begin(input_ids, attention_mask, model_inputs)
+        check = getattr(target, "check_inputs", None)  # optional Target capability (mmspec/protocols.py)
+        if callable(check) and model_inputs:
+            check(input_ids, attention_mask, model_inputs)
         return SpecOutput(input_ids.clone(), stats)
     loop = _Loop(target, drafter, rule, sampling, generator, stats, input_ids.device)
     if position_limit is not None:  # room before the table's end, from the longest (padded) row

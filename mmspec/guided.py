@@ -107,6 +107,12 @@ class GuidedTarget:
         return provide() if callable(provide) else {}
 
     # ---- Target protocol ------------------------------------------------------------------------
+    def check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
+        """The wrapped target's check of the conditional rows' model inputs (no forward)."""
+        check = getattr(self.target, "check_inputs", None)
+        if callable(check):
+            check(input_ids, attention_mask, model_inputs)
+
     def prefill(
         self,
         input_ids: torch.Tensor,

@@ -38,7 +38,11 @@ class Target(Protocol):
     Optional capabilities:
     - `supports_features: bool` (default False): the target honours a non-empty
       `FeatureRequest` in `prefill`. A drafter that requests features with a target that does
-      not support them is refused before the first step."""
+      not support them is refused before the first step.
+    - `check_inputs(input_ids, attention_mask, model_inputs)`: refuse (ValueError naming it)
+      model inputs the target would refuse at `prefill`, without running a forward. The loop
+      calls it for a request with `max_new_tokens=0`, which runs no prefill, so that a
+      misspelt option is refused at every length; a target without it goes unchecked there."""
 
     vocab_size: int
 

@@ -89,6 +89,10 @@ class SpecTarget:
         slots = input_ids.shape[1] + max_new_tokens + max_draft_nodes + 2
         return as_target_output(self.runner.prefill(input_ids, attention_mask, slots, model_inputs, features))
 
+    def check_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
+        """Refuse model inputs the spec does not use, as `prefill` would (no forward)."""
+        self.spec.begin(input_ids, attention_mask, model_inputs)
+
     def verify(self, tokens: torch.Tensor, parents: torch.Tensor | None) -> TargetOutput:
         B, Q = tokens.shape
         vis, depth = tree_visibility(parents, B, Q, tokens.device)

@@ -502,9 +502,9 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             # Gumbel-max sampling, so speculative and plain images are the same for a seed. The
             # rule is still built and checked, so that a call that fails with speculative=True
             # (a greedy rule at temperature 1, bad rule arguments) fails the same way without it.
-            from mmspec.engine import _resolve_rule
+            from mmspec.engine import resolve_rule
 
-            _resolve_rule(acceptance, kwargs, SamplingConfig(temperature, top_k, top_p), target, drafter)
+            resolve_rule(acceptance, kwargs, SamplingConfig(temperature, top_k, top_p), target, drafter)
             acceptance, kwargs = "exact", None
         self._interrupt = False
 

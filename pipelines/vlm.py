@@ -40,7 +40,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from mmspec.devices import check_dtype
-from mmspec.engine import _resolve_rule, speculative_generate
+from mmspec.engine import resolve_rule, speculative_generate
 from mmspec.sampling import SamplingConfig, check_generator, plain_number
 from mmspec.models.hf_target import HFTarget
 from mmspec.stats import SpecStats
@@ -377,7 +377,8 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         check_generator(generator)
-        _resolve_rule(acceptance, None, SamplingConfig(temperature, top_k, top_p), self._spec_target, drafter)
+        # Built once here (a bad rule is refused before any work) and passed on to every batch.
+        acceptance = resolve_rule(acceptance, None, SamplingConfig(temperature, top_k, top_p), self._spec_target, drafter)
         texts: list[str | None] = [None] * n
         seqs: list[torch.Tensor | None] = [None] * n
         errors: list[str | None] = [None] * n

@@ -432,3 +432,22 @@ def test_a_pipeline_built_from_components_answers_the_same(parts):
     images = random_images(2, seed=5)
     a, b = pipe(images, max_new_tokens=6), copy(images, max_new_tokens=6)
     assert a.texts == b.texts and a.stats.drafted_nodes == b.stats.drafted_nodes > 0
+
+
+@torch.no_grad()
+def test_the_rule_is_built_once_per_call_whatever_the_batches(parts, monkeypatch):
+    """The pipeline built its rule at the top of a call (to refuse bad options before any work)
+    and again inside every batch; it now builds it once and passes the object on."""
+    import mmspec.acceptance as acceptance
+
+    model, processor = parts
+    pipe = SpeculativeVLMPipeline(model, processor, drafters(model)["text"])
+    images = random_images(3, seed=6)
+    whole = pipe(images, max_new_tokens=4, temperature=0)
+    built = []
+    real = acceptance.get_rule
+    monkeypatch.setattr(acceptance, "get_rule", lambda rule, **kw: built.append(rule) or real(rule, **kw))
+    chunked = pipe(images, max_new_tokens=4, temperature=0, acceptance="exact", batch_size=1)
+    assert built[0] == "exact" and len(built) == 4  # the name once, then the built object per batch
+    assert all(not isinstance(b, str) for b in built[1:]) and len({id(b) for b in built[1:]}) == 1
+    assert chunked.texts == whole.texts

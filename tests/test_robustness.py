@@ -165,6 +165,40 @@ def test_zero_new_tokens_still_checks_the_model_inputs():
     assert torch.equal(out.sequences, ids)
 
 
+def test_zero_new_tokens_checks_through_the_target_protocol():
+    """At max_new_tokens=0 the loop asks the target's optional `check_inputs` (it reached for
+    `target.spec` / `target.target.spec` before, so other wrapping targets went unchecked):
+    through GuidedTarget, and through a user's own wrapper that declares it."""
+    from conftest import left_padded, tiny_llama
+    from mmspec import GuidedTarget
+    from mmspec.drafters.null_drafter import NullDrafter
+    from mmspec.models import HFTarget
+
+    model = tiny_llama(2, 0)
+    ids, mask = left_padded([5, 3])
+    drafter = NullDrafter(model.config.vocab_size)
+    guided = GuidedTarget(model, 2.0, uncond_input_ids=torch.ones(2, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="forward takes no argument"):
+        mmspec.speculative_generate(guided, drafter, ids, mask, max_new_tokens=0, pixel_values=torch.zeros(2, 3))
+
+    class Wrapper:  # delegates the protocol, and checks inputs its own way
+        def __init__(self, inner):
+            self.inner, self.vocab_size, self.seen = inner, inner.vocab_size, []
+
+        def check_inputs(self, input_ids, attention_mask, model_inputs):
+            self.seen.append(sorted(model_inputs))
+            raise ValueError("wrapper refuses " + ", ".join(sorted(model_inputs)))
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    wrapper = Wrapper(HFTarget(model))
+    with pytest.raises(ValueError, match="wrapper refuses extra_option"):
+        mmspec.speculative_generate(wrapper, drafter, ids, mask, max_new_tokens=0, extra_option=1)
+    assert wrapper.seen == [["extra_option"]]
+    assert torch.equal(mmspec.speculative_generate(wrapper, drafter, ids, mask, max_new_tokens=0).sequences, ids)
+
+
 def test_numpy_integers_are_taken_as_the_numbers_they_hold():
     """np.int64(3) (from configs, sweeps, np.arange) was refused as "must be an int" by the
     drafters, TreeConfig and NullDrafter; it means 3."""
