@@ -104,6 +104,19 @@ class _Interrupted(Exception):
     pass
 
 
+def _steers(given: dict, out, tokens: torch.Tensor, counts: list[int]) -> bool:
+    """Whether a callback tried to edit the decoded tokens: in the dict it was given, or in the
+    one it returned."""
+    seen = [given] + ([out] if isinstance(out, dict) else [])
+    for d in seen:
+        t, n = d.get("tokens", tokens), d.get("num_tokens", counts)
+        if not (isinstance(t, torch.Tensor) and t.shape == tokens.shape and torch.equal(t.to(tokens.device), tokens)):
+            return True
+        if not isinstance(n, (list, tuple, torch.Tensor)) or [int(c) for c in n] != list(counts):
+            return True
+    return False
+
+
 class _Watch:
     """Wraps the target: counts emitted image tokens per step (progress bar) and, with a
     callback, records them and lets the callback stop the run."""
@@ -129,6 +142,11 @@ class _Watch:
 
     def prefill(self, *args, **kw):
         return self.target.prefill(*args, **kw)
+
+    def check_inputs(self, *args):
+        check = getattr(self.target, "check_inputs", None)
+        if callable(check):
+            check(*args)
 
     def verify(self, tokens, parents):
         if self.steps == 0 and self.on_step is not None:
@@ -457,7 +475,8 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         """Generate `num_images_per_prompt` images per class label. `callback_on_step_end(pipe,
         step, tokens_done, {"tokens": [B, T] (-1 = not yet), "num_tokens": [B]})` runs after every
         target forward; it stops the run by returning {"stop": True} or setting `pipe._interrupt`
-        (other entries it returns, edited tokens included, are not read: the run is not steered)."""
+        (edited `tokens` / `num_tokens`, returned or changed in place, are refused: the run is not
+        steered; other entries are not read, as in diffusers)."""
         num_images_per_prompt, guidance_scale, temperature, top_p = (  # np.float32(3.0) means 3.0
             plain_number(x) for x in (num_images_per_prompt, guidance_scale, temperature, top_p))
         labels = self._labels(class_labels)
@@ -509,7 +528,12 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         self._interrupt = False
 
         def on_step(step, tokens, counts):
-            out = callback_on_step_end(self, step, sum(counts), {"tokens": tokens.clone(), "num_tokens": counts})
+            given = {"tokens": tokens.clone(), "num_tokens": list(counts)}
+            out = callback_on_step_end(self, step, sum(counts), given)
+            if _steers(given, out, tokens, counts):
+                raise ValueError("callback_on_step_end edited 'tokens' or 'num_tokens'; the pipeline does not steer "
+                                 "a generation from its callback (the model's cache holds the decoded tokens): "
+                                 "return them unchanged, or {'stop': True} to stop")
             return bool(self._interrupt or (isinstance(out, dict) and out.get("stop")))
 
         with self.progress_bar(total=B * T) as bar:

@@ -278,6 +278,32 @@ def test_callback_stops_and_returns_what_was_decoded():
     assert out.images.shape == (2, 8, 8, 3) and out.stats.target_calls == 15
 
 
+def test_a_callback_that_edits_the_tokens_is_refused():
+    """Edited tokens were not read (the run went on with its own): a diffusers user expects an
+    edit to steer the run, so an edit, returned or in place, is refused; returning the dict
+    unchanged (diffusers' usual `return callback_kwargs`) or another entry is fine."""
+    pipe = make_pipe()
+
+    def returned(p, s, d, kw):
+        kw["tokens"] = kw["tokens"].clone()
+        kw["tokens"][0, 0] += 1
+        return kw
+
+    def in_place(p, s, d, kw):
+        kw["tokens"][0, 0] += 1
+
+    def fewer(p, s, d, kw):
+        return {**kw, "num_tokens": [0] * len(kw["num_tokens"])}
+
+    for callback in (returned, in_place, fewer):
+        with pytest.raises(ValueError, match="callback_on_step_end edited 'tokens' or 'num_tokens'"):
+            pipe([0], temperature=0, guidance_scale=3.0, output_type="latent", callback_on_step_end=callback)
+    plain = pipe([0, 1], temperature=0, guidance_scale=3.0, output_type="latent")
+    for callback in (lambda p, s, d, kw: kw, lambda p, s, d, kw: None, lambda p, s, d, kw: {"note": s}):
+        out = pipe([0, 1], temperature=0, guidance_scale=3.0, output_type="latent", callback_on_step_end=callback)
+        assert torch.equal(out.tokens, plain.tokens) and not out.interrupted
+
+
 def test_drafter_object_swap_and_plain_model_drafter():
     """Any mmspec Drafter can be set; an unguided ModelDrafter under CFG is still exact (greedy equal)."""
     pipe = make_pipe()
