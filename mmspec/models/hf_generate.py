@@ -181,6 +181,20 @@ def _cached_length(cache) -> int:
         return 0
 
 
+def _check_position_ids(position_ids, input_ids, attention_mask) -> None:
+    """Caller-given `position_ids` are honoured by plain `generate`; the loop numbers each row's
+    real tokens 0, 1, ... itself, so positions other than those are refused, not dropped."""
+    if position_ids is None:
+        return
+    given = torch.as_tensor(position_ids).to(input_ids.device)
+    mask = torch.ones_like(input_ids) if attention_mask is None else torch.as_tensor(attention_mask).to(input_ids.device)
+    default = mask.long().cumsum(-1) - 1
+    real = mask != 0
+    if given.shape != input_ids.shape or not torch.equal(given.long()[real], default[real]):  # SYNC: once per call
+        raise ValueError("position_ids other than each row's 0, 1, 2, ... over its real tokens are not supported by the "
+                         "speculative loop (it numbers positions itself); call generate without position_ids=")
+
+
 def _dropped_generate_options() -> dict:
     """`streamer`, `assistant_model` and `synced_gpus` as given to the `generate` that called us.
     transformers 5 does not pass them to a callable `custom_generate` (it keeps only the callable's
@@ -222,6 +236,8 @@ def speculative_decoding(
         raise ValueError("assistant_model= is transformers' own assisted generation; with custom_generate=speculative_"
                          "decoding pass the small model as drafter=mmspec.drafters.ModelDrafter(small_model) instead")
     if streamer is not None:
+        if callable(getattr(streamer, "end", None)):
+            streamer.end()  # generate has already sent it the prompt: a consumer thread would wait forever
         raise ValueError("streamer is not supported by the speculative loop; call generate without streamer=")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(
@@ -247,6 +263,8 @@ def speculative_decoding(
     if pad is None:
         pad = eos[0] if eos else 0
     attention_mask = model_kwargs.pop("attention_mask", None)
+    if model_type_of(model) not in MROPE_MODEL_TYPES:  # there generate fills in its own M-RoPE positions
+        _check_position_ids(model_kwargs.get("position_ids"), input_ids, attention_mask)
     extra = {k: v for k, v in model_kwargs.items() if k not in _DROPPED_KWARGS and v is not None}
     if extra.get("mm_encoder_outputs") and model_type_of(model) in MROPE_MODEL_TYPES:
         # generate encoded the images and dropped `image_grid_thw` with the pixels; mmspec's Qwen2-VL

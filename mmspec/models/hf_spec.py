@@ -104,7 +104,8 @@ class HFSpec(ForwardSpec):
         self.num_layers = int(config.num_hidden_layers)
         self.vocab_size = int(config.vocab_size)
         self.max_positions = learned_position_limit(source)
-        self.dtype = next(source.parameters()).dtype
+        self._source = source
+        self.dtype = _model_dtype(source)
         self.forward_params = set(inspect.signature(source.forward).parameters)
         self._windows = _window_plan(config, source)
         self._prefill_inputs: dict[str, Any] = {}
@@ -148,12 +149,18 @@ class HFSpec(ForwardSpec):
         # model (hooks added, head replaced, train/eval switched since the last call).
         self.model = refresh(self.model)
         self._io = None  # embeddings may have been replaced since the last request
+        self.dtype = _model_dtype(self._source)  # masks follow a model cast since the wrap (`model.to(dtype)`)
         reserved = sorted(set(model_inputs) & _RESERVED)
         if reserved:
             raise ValueError(f"model inputs {reserved} are managed by mmspec's loop; do not pass them")
         if "labels" in model_inputs:  # the forward would compute a training loss (and fail on the shapes)
             raise ValueError("labels= is a training input (the model computes a loss from it); generation takes none: "
                              "drop labels")
+        if "token_type_ids" in model_inputs and getattr(self._source.config, "model_type", "") not in PREFIX_LM:
+            raise ValueError(
+                f"{type(self._source).__name__} adds a token type embedding to every token, and generate extends "
+                "token_type_ids to the generated ones; mmspec passes them to the prompt only (prefix-LM masks: "
+                f"{', '.join(sorted(PREFIX_LM))}), which would change the answer: drop token_type_ids")
         unknown = sorted(k for k in model_inputs if k not in self.forward_params)
         if unknown:
             raise ValueError(
@@ -335,8 +342,22 @@ class HFSpec(ForwardSpec):
         return handles
 
 
+# Families whose token_type_ids only shape the prompt's attention mask (image tokens see each
+# other): honoured at prefill. Elsewhere (GPT-2, GPT-J, ...) they are embedded at every token.
+PREFIX_LM = {"gemma3", "gemma3n", "paligemma", "shieldgemma2"}
+
 _RESERVED = {"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "logits_to_keep",
              "cache_position", "inputs_embeds"}
+
+
+def _model_dtype(model) -> torch.dtype:
+    """The dtype the decoder computes in: its input embedding's (a VLM's vision tower may be
+    kept in another dtype than its language model), else the first floating parameter's."""
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return weight.dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _window_plan(config, model):
@@ -347,14 +368,16 @@ def _window_plan(config, model):
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         kinds = set(layer_types)
-        if "sliding_attention" not in kinds or window is None:
-            return None
+        # Checked before anything else: Llama-4's chunked layers (no sliding ones) went through as
+        # full attention, and the verify mask dropped their chunk limit.
         unknown = kinds - {"sliding_attention", "full_attention"}
         if unknown:
             raise ValueError(
                 f"{type(model).__name__} uses attention types {sorted(unknown)} that mmspec cannot mask exactly; "
                 "it is not supported as a target or drafter"
             )
+        if "sliding_attention" not in kinds or window is None:
+            return None
         return {kind: (window if kind == "sliding_attention" else None) for kind in kinds}
     if window is None:
         return None

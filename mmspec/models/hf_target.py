@@ -74,6 +74,52 @@ def check_supported(model) -> None:
                          "not supported (use a model whose forward takes position_ids, e.g. Llama, Qwen2, GPT-2)")
 
 
+def rope_switches(model) -> list[tuple[str, int]]:
+    """(RoPE type, position count) for each RoPE whose frequencies transformers recomputes from
+    the largest position in a forward: dynamic NTK past `max_position_embeddings`, LongRoPE's
+    long factor past `original_max_position_embeddings` (Phi-3 / Phi-4 128k). A verify forward
+    reaches further than plain decoding's one-token forward, so their frequencies differ there."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return []
+    entries = [params] if ("rope_type" in params or "type" in params) else [v for v in params.values() if isinstance(v, dict)]
+    found = []
+    for entry in entries:
+        kind = str(entry.get("rope_type", entry.get("type", "default")))
+        if "dynamic" in kind:
+            found.append((kind, int(config.max_position_embeddings)))
+        elif kind == "longrope":
+            limit = entry.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings",
+                                                                            None) or config.max_position_embeddings
+            found.append((kind, int(limit)))
+    return found
+
+
+def check_rope_switch(model, attention_mask, max_new_tokens: int, max_draft_nodes) -> None:
+    """Refuse a request whose forwards could cross a RoPE frequency switch (`rope_switches`):
+    plain `generate` recomputes the frequencies (or, for LongRoPE, re-runs the whole sequence)
+    there, which a cache of verified keys cannot follow. Prompts that all start past a LongRoPE
+    switch run on the long factor throughout, as in `generate`."""
+    switches = rope_switches(model)
+    if not switches:
+        return
+    lengths = attention_mask.long().sum(1).tolist()  # SYNC: once per request
+    depth = int(max_draft_nodes or 0)
+    reach = max(lengths) + max_new_tokens - 1 + depth  # the largest position + 1 a forward may see
+    for kind, limit in switches:
+        if reach <= limit or (kind == "longrope" and min(lengths) > limit):
+            continue
+        also = f", or give every row a prompt longer than {limit} tokens" if kind == "longrope" else ""
+        room = limit - max(lengths) + 1 - depth
+        fix = f"lower max_new_tokens to {room}" if room >= 1 else "shorten the prompt"
+        raise ValueError(
+            f"{type(model).__name__} uses {kind} RoPE, whose frequencies change once a forward sees more than {limit} "
+            f"positions; this request may reach {reach} (longest prompt {max(lengths)} + max_new_tokens "
+            f"{max_new_tokens} + up to {depth} draft positions), where verify forwards cannot match plain decoding: "
+            f"{fix}{also}")
+
+
 _PIXEL_INPUTS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 
@@ -152,11 +198,12 @@ class HFTarget(SpecTarget):
         self.kernels = spec.kernels
         super().__init__(spec, static=static, compile=compile, attention=attention)
 
-    def prefill(self, input_ids, attention_mask, model_inputs, *args, **kwargs):
+    def prefill(self, input_ids, attention_mask, model_inputs, max_new_tokens, max_draft_nodes, *args, **kwargs):
         check_eval_mode(self.model)  # per request: a target wrapped once may be switched to training later
         check_placeholders_have_pixels(self.model, input_ids, model_inputs)
         check_image_sizes(self.model, model_inputs)
-        return super().prefill(input_ids, attention_mask, model_inputs, *args, **kwargs)
+        check_rope_switch(self.model, attention_mask, max_new_tokens, max_draft_nodes)
+        return super().prefill(input_ids, attention_mask, model_inputs, max_new_tokens, max_draft_nodes, *args, **kwargs)
 
     def acceptance_tables(self) -> dict:
         """Tables rules named by string can use: GSD clusters by input-embedding distance."""
