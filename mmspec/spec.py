@@ -160,7 +160,7 @@ class SpecRunner:
             from mmspec.static_kv import StaticKV
 
             previous = self.kv if isinstance(self.kv, StaticKV) else None
-            self.kv = StaticKV(self.spec.num_layers, attention_mask, max_slots, reuse=previous)
+            self.kv = StaticKV(self.spec.num_layers, attention_mask, max_slots, reuse=previous, dtype=self.spec.dtype)
         else:
             self.kv = RaggedKV(self.spec.num_layers, attention_mask, max_slots)
         attention = self.kv.plan_prefill(attention_mask)

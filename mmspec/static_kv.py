@@ -46,6 +46,17 @@ from mmspec.ragged import Attention, RaggedKV
 SLOT_BUCKET = 64  # capacity granularity: requests whose bounds round to the same bucket share a trace
 
 
+def _fits(previous: "StaticKV", attention_mask: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether the previous request's buffers can take this one's keys: same device and dtype
+    (the model may have been moved or cast since: a write would cast the keys silently, and
+    attention then failed on mixed dtypes), and writable here (buffers made under
+    torch.inference_mode cannot be written outside it)."""
+    inference = torch.is_inference_mode_enabled()
+    return all(t is None or (t.device == attention_mask.device and (dtype is None or t.dtype == dtype)
+                             and (inference or not t.is_inference()))
+               for t in previous.keys + previous.values)
+
+
 class StaticKV(RaggedKV):
     """Per-row KV buffers at a fixed capacity, a fixed physical batch and index-based writes.
 
@@ -53,7 +64,7 @@ class StaticKV(RaggedKV):
     runs over all `B0` physical rows and `queries` padded queries per row."""
 
     def __init__(self, num_layers: int, attention_mask: torch.Tensor, max_slots: int,
-                 *, reuse: "StaticKV | None" = None):
+                 *, reuse: "StaticKV | None" = None, dtype: torch.dtype | None = None):
         if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < attention_mask.shape[1]:
             raise ValueError(
                 f"static=True needs the request's slot bound up front (an int >= the prompt length "
@@ -62,7 +73,8 @@ class StaticKV(RaggedKV):
         cap = -(-max_slots // SLOT_BUCKET) * SLOT_BUCKET
         super().__init__(num_layers, attention_mask, cap, initial_slots=cap)
         B = attention_mask.shape[0]
-        if reuse is not None and reuse.physical_rows == B and reuse.capacity == cap:
+        if reuse is not None and reuse.physical_rows == B and reuse.capacity == cap and _fits(reuse, attention_mask,
+                                                                                            dtype):
             # Same shapes as the previous request: keep its buffers (their addresses, for CUDA
             # graphs). Stale slots are never visible; prefill overwrites the prompt slots.
             self.keys, self.values = reuse.keys, reuse.values

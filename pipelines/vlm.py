@@ -126,16 +126,13 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT):
         super().__init__()
         check_target(target)
-        self.register_modules(target=target.eval(), processor=processor, drafter=drafter)
+        self.register_modules(target=target, processor=processor, drafter=drafter)  # see __setattr__
         self.register_to_config(caption_prompt=caption_prompt)
         self.drafters: dict[str, DrafterComponent] = {}
         self._spec_target = HFTarget(target)
         # id(component) -> (component, built drafter); the entry holds the component, so a freed
         # component's address cannot be taken by a new one that would get the old drafter.
         self._built: dict[int, tuple[Any, Any]] = {}
-        tok = processor.tokenizer
-        tok.padding_side = "left"  # batched decoding continues every row from its last column
-        self.image_token = getattr(processor, "image_token", None) or getattr(tok, "image_token", None)
         if drafter is not None:
             self._check_drafter(drafter)
 
@@ -145,9 +142,19 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         # loaded pipeline, keeps it until the call): say what fits, and how to switch by name
         if name == "drafter" and value is not None:
             self._check_drafter_type(value)
+        if name == "target":
+            check_target(value)
+            value = value.eval()
         super().__setattr__(name, value)
         if name == "drafter":
             self._prune_built()
+        elif name == "target" and "_built" in self.__dict__:  # `pipe.target = model`: decode with that model
+            self._spec_target = HFTarget(value)
+            self._built = {}
+        elif name == "processor":  # at __init__ and on `pipe.processor = other`
+            tok = value.tokenizer
+            tok.padding_side = "left"  # batched decoding continues every row from its last column
+            self.image_token = getattr(value, "image_token", None) or getattr(tok, "image_token", None)
 
     @staticmethod
     def _check_drafter_type(drafter) -> None:

@@ -1,0 +1,80 @@
+"""Objects built once and reused follow what changed since: a model cast after it was wrapped,
+static buffers made under torch.inference_mode, a VLM pipeline's swapped target or processor.
+Each reused object answers as a freshly built one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import mmspec
+from conftest import left_padded, noisy_copy, tiny_llama
+from mmspec.drafters import ModelDrafter
+from mmspec.drafters.null_drafter import NullDrafter
+from mmspec.models import HFTarget
+
+
+def plain(model, ids, mask, n=10):
+    return mmspec.speculative_generate(model, NullDrafter(model.config.vocab_size), ids, mask, temperature=0,
+                                       max_new_tokens=n).sequences
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("first,then", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_a_wrap_follows_its_model_cast_after_wrapping(static, first, then):
+    """The wrap kept the dtype it was built with (its masks then failed in SDPA against the
+    cast model's queries), and static buffers of the old dtype were reused."""
+    ids, mask = left_padded([5, 8, 3])
+    model = tiny_llama(dtype=first)
+    small = noisy_copy(model, 0.3)
+    target = HFTarget(model, prepack=False, static=static)
+    drafter = ModelDrafter(small, 3, prepack=False, static=static)
+    assert torch.equal(mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
+                       .sequences, plain(model, ids, mask))
+    model.to(then), small.to(then)
+    reused = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10).sequences
+    assert torch.equal(reused, plain(model, ids, mask))
+
+
+def test_static_buffers_made_under_inference_mode_are_not_reused_outside_it():
+    ids, mask = left_padded([7, 4, 6])
+    model = tiny_llama(2, 0)
+    target, drafter = HFTarget(model, static=True), ModelDrafter(noisy_copy(model, 0.3), 3, static=True)
+    expected = plain(model, ids, mask)
+    with torch.inference_mode():
+        inside = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
+    kept = target.runner.kv.keys[0]
+    outside = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
+    assert torch.equal(inside.sequences, expected) and torch.equal(outside.sequences, expected)
+    assert kept.is_inference() and target.runner.kv.keys[0] is not kept
+    again = target.runner.kv.keys[0]  # an ordinary buffer of the same shapes is kept (CUDA graphs rely on it)
+    mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
+    assert target.runner.kv.keys[0] is again
+
+
+@torch.no_grad()
+def test_vlm_pipeline_follows_a_swapped_target_and_processor():
+    """`pipe.target = other` kept decoding with the old model (its wrap was built once), and a
+    swapped processor kept its tokenizer's right padding (refused as not left-padded)."""
+    from _vlm_helpers import random_images, tiny_llava_parts
+    from mmspec.pipelines import SpeculativeVLMPipeline
+
+    model_a, processor = tiny_llava_parts(seed=0)
+    model_b, _ = tiny_llava_parts(seed=7)
+    images, prompts = random_images(2), ["what colour is the circle ?", None]
+    pipe = SpeculativeVLMPipeline(model_a, processor)
+    before = pipe(images, prompts, max_new_tokens=8, speculative=False).texts
+    fresh_b = SpeculativeVLMPipeline(model_b, processor)(images, prompts, max_new_tokens=8, speculative=False).texts
+    assert fresh_b != before
+    pipe.target = model_b
+    assert pipe(images, prompts, max_new_tokens=8, speculative=False).texts == fresh_b
+    pipe.target = model_a
+    other = copy.deepcopy(processor)
+    other.tokenizer.padding_side = "right"  # as a Llama tokenizer loads
+    pipe.processor = other
+    assert pipe(images, prompts, max_new_tokens=8, speculative=False).texts == before
+    with pytest.raises(ValueError, match="SpeculativeVLMPipeline supports model types"):
+        pipe.target = "not a model"
+    assert pipe.target is model_a
