@@ -100,6 +100,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from mmspec.recent import Recent
 from mmspec.shadow_acceptance import chain_counts
 from mmspec.step_costs import StepCosts
 
@@ -203,7 +204,7 @@ class DraftLengthController:
             raise ValueError(f"min_gain must be in [0, 1), got {min_gain!r}")
         self.min_gain = float(min_gain)
         self.steps = 0
-        self.history: list[int] = []
+        self.history: list[int] = Recent()  # the K chosen per step (the newest 100-200k steps)
         # How much rows differ in acceptance (variance of the per-row rate), learned request by
         # request from per-row counts (`begin_request`); 0 until measured: rows as independent draws.
         self.between_var = 0.0

@@ -62,6 +62,8 @@ from __future__ import annotations
 
 import math
 
+from mmspec.recent import Recent
+
 
 def candidate_windows(max_window: int) -> list[int]:
     """0 (plain), powers of two below `max_window`, and `max_window`."""
@@ -111,8 +113,8 @@ class WindowBandit:
         self.k_max = max_window
         self.warmup, self.memory, self.base_gap, self.max_gap, self.margin = warmup, memory, gap, max_gap, float(margin)
         self.batches: dict[int, _Batch] = {}
-        self.history: list[int] = []  # the window chosen for every step
-        self.requests: list[tuple[int, int]] = []  # (batch, arm) of every request
+        self.history: list[int] = Recent()  # the window chosen per step (the newest 100-200k)
+        self.requests: list[tuple[int, int]] = Recent()  # (batch, arm) per request (the newest 100-200k)
         self._skip_first = skip_first
         self._warm: set[int] = set()  # batch sizes whose first (cold) request has run
         self._arm: int | None = None  # the current request's arm (None: not chosen yet)

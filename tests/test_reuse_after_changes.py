@@ -78,3 +78,18 @@ def test_vlm_pipeline_follows_a_swapped_target_and_processor():
     with pytest.raises(ValueError, match="SpeculativeVLMPipeline supports model types"):
         pipe.target = "not a model"
     assert pipe.target is model_a
+
+
+def test_controllers_per_step_logs_stay_bounded_on_a_long_running_drafter():
+    """A drafter serving requests for days appended every step's choice to a list forever."""
+    from mmspec.adaptive import DraftLengthController
+    from mmspec.adaptive_window import WindowBandit
+    from mmspec.recent import Recent
+
+    log = Recent(keep=5)
+    for i in range(23):
+        log.append(i)
+    assert list(log) == list(range(15, 23)) and len(log) <= 10  # the newest, in order
+    for controller in (DraftLengthController(4), WindowBandit(8)):
+        assert isinstance(controller.history, Recent) and controller.history.keep == 100_000
+    assert isinstance(WindowBandit(8).requests, Recent)
