@@ -149,11 +149,15 @@ class GroupedAcceptance(ChainRule):
 
     def _distances(self, x: torch.Tensor, tokens: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """||e_w - e_x||^2 for the window, from a [V, V] table when the vocabulary is small
-        (<= 1024 codes: at most 4 MiB, computed once per device), else from the embeddings."""
+        (<= 1024 codes: at most 4 MiB, computed once per device), else (or for embeddings made
+        under inference_mode) from the embeddings."""
+        from mmspec.versions import version_of  # (at call time: rules import only a few core modules)
+
         V = emb.shape[0]
-        if V > 1024:
+        version = version_of(emb)  # None: an inference tensor, whose in-place edits cannot be seen
+        if V > 1024 or version is None:
             return (emb[tokens] - emb[x].unsqueeze(1)).pow(2).sum(-1)
-        key = (emb.data_ptr(), tuple(emb.shape), emb.dtype, str(emb.device), emb._version)
+        key = (emb.data_ptr(), tuple(emb.shape), emb.dtype, str(emb.device), version)
         hit = _D2_TABLES.get(key)
         if hit is None:  # a rule named by string is built per call: the table outlives it
             table = torch.stack([(emb - emb[i]).pow(2).sum(-1) for i in range(V)])

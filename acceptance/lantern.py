@@ -58,18 +58,22 @@ _CHUNK_ELEMENTS = 1 << 22  # distances held at once: at most ~4M floats (16 MB)
 
 def nearest_neighbours(codebook: torch.Tensor, k: int, *, normalize_codebook: bool = True) -> torch.Tensor:
     """codebook [V, D] -> NN [V, k] int16/int32: for each entry, the indices of the k closest
-    other entries by L2 distance, nearest first. Computed in row chunks and cached."""
+    other entries by L2 distance, nearest first. Computed in row chunks and cached (not for an
+    inference tensor, whose in-place edits no version counter shows: computed at each call)."""
+    from mmspec.versions import version_of  # (at call time: rules import only a few core modules)
+
     V = codebook.shape[0]
+    version = version_of(codebook)
     key = (
         codebook.data_ptr(),
         tuple(codebook.shape),
         tuple(codebook.stride()),
         codebook.dtype,
         str(codebook.device),
-        codebook._version,
+        version,
         bool(normalize_codebook),
     )
-    cached = _NEIGHBOUR_CACHE.get(key)
+    cached = _NEIGHBOUR_CACHE.get(key) if version is not None else None
     if cached is not None and cached[1].shape[1] >= k:
         return cached[1][:, :k]
     emb = codebook.detach().to(torch.float32)
@@ -86,6 +90,8 @@ def nearest_neighbours(codebook: torch.Tensor, k: int, *, normalize_codebook: bo
             d2 = sq[start:stop, None] + sq[None, :] - 2.0 * emb[start:stop] @ emb.T
             d2[torch.arange(stop - start, device=emb.device), torch.arange(start, stop, device=emb.device)] = float("inf")
             out[start:stop] = torch.topk(d2, k, dim=-1, largest=False, sorted=True).indices.to(index_dtype)
+    if version is None:
+        return out
     if len(_NEIGHBOUR_CACHE) >= 8:  # a handful of codebooks per process at most
         _NEIGHBOUR_CACHE.pop(next(iter(_NEIGHBOUR_CACHE)))
     # The entry holds the codebook too: while it is cached its memory cannot be freed and reused by

@@ -53,6 +53,7 @@ from mmspec.position_noise import DraftsWithPositionNoise
 from mmspec.sampling import SamplingConfig, plain_number, process_logits, sample_from
 from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig, check_tree
+from mmspec.versions import version_of
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "drafter.safetensors"
@@ -225,11 +226,10 @@ class HeadLayer(nn.Module):
 
         if torch.is_grad_enabled():
             return stack(*params)
-        key = tuple((p.data_ptr(), p._version, p.dtype) for p in params)
+        key = tuple((p.data_ptr(), version_of(p), p.dtype) for p in params)
         cache = self.__dict__.get("_stacked_cache")
-        if cache is None or cache[0] != key:
-            cache = (key, stack(*(p.detach() for p in params)))
-            self.__dict__["_stacked_cache"] = cache
+        if cache is None or cache[0] != key or any(k[1] is None for k in key):  # inference tensors: no version
+            cache = self.__dict__["_stacked_cache"] = (key, stack(*(p.detach() for p in params)))
         return cache[1]
 
 

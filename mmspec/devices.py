@@ -33,11 +33,16 @@ def check_device(device, what: str = "device", allowed: tuple[str, ...] = ("cpu"
 
 def check_dtype(dtype, what: str = "torch_dtype") -> None:
     """`dtype` must be None or a torch.dtype: a pipeline's `from_pretrained` loaded float32 for a
-    string ("float16") or a per-component dict, or took the string for a device (TypeError)."""
+    string ("float16") or a per-component dict, or took the string for a device (TypeError);
+    and one the models compute in (float8 loaded, then failed in a kernel; ValueError)."""
     import torch
 
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{what} must be a torch.dtype (torch.float16, ...), got {dtype!r}")
+    usable = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    if dtype is not None and dtype not in usable:
+        raise ValueError(f"{what}={dtype} is not a dtype the models compute in; use torch.float16, torch.bfloat16, "
+                         "torch.float32 or torch.float64")
 
 
 def move_pipeline(pipe, device):

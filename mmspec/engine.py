@@ -76,6 +76,9 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
         )
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+    if input_ids.is_meta:
+        raise ValueError("input_ids is on the 'meta' device (a tensor without values); pass the token ids on the "
+                         "model's device")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if attention_mask is None:
@@ -92,6 +95,7 @@ def check_attention_mask(mask, ids: torch.Tensor, name: str = "attention_mask", 
     if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
         raise ValueError(f"{name} must have the shape of {ids_name} {tuple(ids.shape)}, got "
                          f"{tuple(getattr(mask, 'shape', ()))}")
+    check_same_device(name, mask, ids, ids_name)
     am = mask.long()
     odd = (mask != 0) & (mask != 1)
     bad_value, not_left, empty = torch.stack([odd.any(), (am[:, 1:] < am[:, :-1]).any(), (am.sum(1) == 0).any()]).tolist()
@@ -102,6 +106,17 @@ def check_attention_mask(mask, ids: torch.Tensor, name: str = "attention_mask", 
         raise ValueError(f"{name} must be left-padded (zeros only before each row's first token) and give every row at "
                          "least one token; re-tokenize with padding_side='left'")
     return am
+
+
+def check_same_device(name: str, tensor: torch.Tensor, ids: torch.Tensor, ids_name: str = "input_ids") -> None:
+    """Refuse `tensor` by name on the 'meta' device or on another device than `ids` (a raw
+    device error came from deep in the forward). No host read."""
+    if tensor.is_meta:
+        raise ValueError(f"{name} is on the 'meta' device (a tensor without values); pass real values on "
+                         f"{ids_name}'s device ({ids.device})")
+    if tensor.device != ids.device:
+        raise ValueError(f"{name} is on {tensor.device} but {ids_name} is on {ids.device}; move them to one device "
+                         f"(the model's), e.g. {name}.to({ids_name}.device)")
 
 
 def _check_positions(target, drafter, length: int, max_new_tokens: int) -> int | None:
@@ -271,6 +286,9 @@ def speculative_generate(
     sampling = SamplingConfig(temperature, top_k, top_p)
     check_generator(generator)
     attention_mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
+    for name, value in model_inputs.items():  # pixel_values, image_grid_thw, ...: not 'meta' (a model's own
+        if isinstance(value, torch.Tensor) and value.is_meta:  # forward may take some, e.g. image_sizes, anywhere)
+            check_same_device(name, value, input_ids)
     eos = _eos_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0

@@ -106,8 +106,13 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         if isinstance(class_labels, int):
             class_labels = [class_labels]
         labels = torch.as_tensor(class_labels)
-        if labels.dim() != 1 or labels.dtype not in (torch.int64, torch.int32) or labels.numel() == 0:
+        if labels.dim() != 1 or labels.numel() == 0:
             raise ValueError(f"class_labels must be an int or a non-empty 1-D sequence of ints, got {class_labels!r}")
+        if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():  # any int dtype is taken
+            raise ValueError(f"class_labels must be integer class ids, got dtype {labels.dtype} ({class_labels!r}); "
+                             "pass ints (e.g. labels.long())")
+        if labels.is_meta:
+            raise ValueError("class_labels is on the 'meta' device (no values to read); pass labels on the CPU")
         labels = labels.long()
         n_cls = self.transformer.config.class_num
         if int(labels.min()) < 0 or int(labels.max()) >= n_cls:

@@ -458,8 +458,9 @@ def test_forwards_at_stock_row_counts_run_the_model_itself(monkeypatch):
     assert view is not model and mixed_source(view) is model
     assert for_rows(view, 1) is model and for_rows(view, 2) is view
     assert for_rows(model, 1) is model and mixed_source(model) is None  # not a view: itself
-    assert HFTarget(model, prepack=True).runner.spec.model is view and mixed_source(view) is None  # no policy: packed
-    assert for_rows(view, 1) is view
+    packed = HFTarget(model, prepack=True).runner.spec.model  # True: its own view, packed at every row count
+    assert packed is not view and mixed_source(packed) is None and for_rows(packed, 1) is packed
+    assert mixed_source(view) is model and for_rows(view, 1) is model  # the "auto" wrap keeps its policy
     target = HFTarget(model)  # "auto" again: the measured (mixed) policy
     calls = _count_packed_calls(monkeypatch)
     ids, mask = left_padded([5], vocab=V, seed=3)

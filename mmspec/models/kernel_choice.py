@@ -96,7 +96,7 @@ def measure(model: torch.nn.Module, rows: tuple[int, ...] = ROWS, budget_s: floa
     pass: interference (another process, a page fault) only ever adds time."""
     from mmspec.models.prepack import PackedLinear, packable
 
-    linears = [m for m in model.modules() if packable(m)]  # the layers a view would pack
+    linears = [m for m in model.modules() if packable(m)]  # the layers a view would pack (float32 only)
     shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in linears)
     key = (tuple(sorted(shapes.items())), tuple(rows))
     cached = _CACHE.get(model)
@@ -109,7 +109,7 @@ def measure(model: torch.nn.Module, rows: tuple[int, ...] = ROWS, budget_s: floa
         chosen.append(m)
         size += m.weight.numel() * m.weight.element_size()
     packed_layers = [PackedLinear(m) for m in chosen]
-    dtype = chosen[0].weight.dtype if chosen else torch.float32
+    dtype = torch.float32  # every packable weight's: the inputs of each layer match it
     per_rows = {}
     start = time.perf_counter()
     noise = torch.Generator().manual_seed(0)  # its own: the user's global random stream is not drawn from

@@ -24,7 +24,10 @@ view was built from and rebuilds the view in place when they differ (hooks added
 a replaced `lm_head`, `resize_token_embeddings`, `load_state_dict(..., assign=True)`,
 `.eval()` after a call in train mode). The check walks the module tree in Python; a model
 changed *during* a generate call is not followed until the next one. Results match `F.linear` to float32 rounding (relative ~1e-6); float64 models
-(the exactness tests) are never packed.
+(the exactness tests) are never packed, nor are models whose linear layers mix dtypes or whose
+weights were made under `torch.inference_mode()` (no version counter to follow edits by).
+Views are kept per model and kernel policy: two wraps of one model with different `prepack`
+settings each run their own (they share the packed copies of unchanged weights).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+
+from mmspec.versions import version_of
 
 AUTO_BUDGET_BYTES = 2 << 30  # pack "auto" models whose linear weights take at most 2 GiB
 
@@ -71,14 +76,14 @@ class PackedLinear(torch.nn.Module):
     def _repack(self) -> None:
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.batch_hint)
-        self._version = self.weight._version
+        self._version = version_of(self.weight)  # None (never matched): an inference tensor, never packed
         self._ptr = self.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (
             x.dtype != w.dtype or w.dtype != torch.float32 or x.device != w.device or w.device.type != "cpu"
-            or torch.is_grad_enabled()
+            or torch.is_grad_enabled() or w.is_inference()
         ):
             return F.linear(x, w, self.bias)  # training, moved or converted: the plain kernel, always current
         policy = self.policy
@@ -105,13 +110,24 @@ def should_prepack(model: torch.nn.Module, prepack="auto") -> bool:
     if prepack is False:
         return False
     param = next(model.parameters(), None)
+    linears = [(name, m.weight) for name, m in model.named_modules() if _plain_linear(m)]
     reasons = []
     if not prepack_available():
         reasons.append("this torch build lacks oneDNN prepacked linear kernels")
-    if param is None or param.device.type != "cpu":
+    if param is None or param.device.type != "cpu" or any(w.device.type != "cpu" for _, w in linears):
         reasons.append("the model is not on the CPU")
-    elif param.dtype != torch.float32:
-        reasons.append(f"the model is {param.dtype}, prepacking is float32 only")
+    else:  # every linear layer's dtype, not the first parameter's (a VLM may keep parts in another)
+        dtypes = sorted({str(w.dtype) for _, w in linears} or {str(param.dtype)})
+        if len(dtypes) > 1:
+            name, w = next((n, w) for n, w in linears if w.dtype != torch.float32)
+            reasons.append(f"its linear layers mix dtypes {', '.join(dtypes)} (e.g. {name} is {w.dtype}), "
+                           "prepacking is float32 only")
+        elif dtypes != ["torch.float32"]:
+            reasons.append(f"the model is {dtypes[0]}, prepacking is float32 only")
+    made = next((name for name, w in linears if w.is_inference()), None)
+    if made is not None:
+        reasons.append(f"its weights (e.g. {made}.weight) were made under torch.inference_mode() and carry no "
+                       "version counter to follow in-place edits by; create or load the model outside inference_mode")
     # accelerate stores its hook as a plain attribute: a dict lookup per module (hasattr on a
     # module that lacks it goes through nn.Module.__getattr__ and an exception, ~80 us a call here)
     if hasattr(model, "_orig_mod") or any("_hf_hook" in m.__dict__ for m in model.modules()):
@@ -135,6 +151,15 @@ _TRACKED = ("_parameters", "_buffers", "_modules") + _HOOK_PREFIXES
 
 
 def packable(module: torch.nn.Module) -> bool:
+    """A plain `nn.Linear` (`_plain_linear`) with a float32 CPU weight that is not an inference
+    tensor (one made under `torch.inference_mode()` has no version counter to follow edits by)."""
+    if not _plain_linear(module):
+        return False
+    w = module.weight
+    return w.dtype == torch.float32 and w.device.type == "cpu" and not w.is_inference()
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
     """A plain `nn.Linear`: weight (and bias) parameters only, no buffers, no child modules and
     no tensor-valued extra attributes, so a `PackedLinear` computes what it does (weight_norm,
     spectral_norm or LoRA-style state was lost, and the copied hooks then failed looking for it)."""
@@ -150,10 +175,10 @@ def packable(module: torch.nn.Module) -> bool:
 def repack(model: torch.nn.Module) -> None:
     """Rebuild the packed copies of `model`'s view at their next use: for weights edited
     through `p.data`, which the version-counter check cannot see."""
-    entry = _VIEWS.get(model)
-    for m in () if entry is None else entry.view.modules():
-        if isinstance(m, PackedLinear):
-            m._version = -1
+    for entry in _VIEWS.get(model, {}).values():
+        for m in entry.view.modules():
+            if isinstance(m, PackedLinear):
+                m._version = -1
 
 
 def _copy_hooks(src: torch.nn.Module, dst: torch.nn.Module) -> None:
@@ -240,49 +265,61 @@ class _Entry:
         return ids == self.ids and len(mods) == len(self.refs) and all(r() is m for r, m in zip(self.refs, mods))
 
 
-# model -> _Entry, and view -> model (weakly both ways: a view never keeps its model alive).
-_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, _Entry]" = weakref.WeakKeyDictionary()
-_SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+# model -> {policy key: _Entry}, and view -> (model, policy key) (weakly both ways: a view never
+# keeps its model alive). One view per model and policy: a wrap's policy is its own.
+_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-_KEEP = object()
+def _policy_key(policy):
+    return None if policy is None else (policy.rows, policy.packed)
 
 
-def packed_model(model: torch.nn.Module, policy=_KEEP) -> torch.nn.Module:
-    """A view of `model` whose `nn.Linear` layers run on prepacked weights (cached per
-    model; the model itself is left untouched). Every call checks the cached view against
+def packed_model(model: torch.nn.Module, policy=None) -> torch.nn.Module:
+    """A view of `model` whose `nn.Linear` layers run on prepacked weights (cached per model
+    and policy; the model itself is left untouched). Every call checks the cached view against
     the model (`_fingerprint`) and rebuilds it in place when the model changed (a hook added
     or removed, a module or parameter replaced, `.train()` / `.eval()`, ...); unchanged
     weights keep their packed copies. `policy` (a `kernel_choice.KernelPolicy`, or None for
-    the packed kernel at every row count) sets which kernel each row count uses; left out,
-    the view keeps the policy it has."""
+    the packed kernel at every row count) sets which kernel each row count uses; views of one
+    model under other policies are separate (and share the packed copies of unchanged weights)."""
     ids, mods = _fingerprint(model)
-    entry = _VIEWS.get(model)
+    entries = _VIEWS.get(model)
+    if entries is None:
+        entries = _VIEWS[model] = {}
+    key = _policy_key(policy)
+    entry = entries.get(key)
     if entry is None:
-        pol = None if policy is _KEEP else policy
-        view = _view(model, {}, {}, policy=pol)
-        _VIEWS[model] = _Entry(view, ids, mods, pol)
-        _SOURCES[view] = weakref.ref(model)
+        other = next(iter(entries.values()), None)  # another policy's view: reuse its packed weights
+        reuse = {} if other is None else {id(m.weight): m for m in other.view.modules() if isinstance(m, PackedLinear)}
+        view = _view(model, {}, reuse, policy=policy)
+        entries[key] = _Entry(view, ids, mods, policy)
+        _SOURCES[view] = (weakref.ref(model), key)
         return view
     if not entry.current(ids, mods):
         view = entry.view
         reuse = {id(m.weight): m for m in view.modules() if isinstance(m, PackedLinear)}
         _view(model, {}, reuse, into=view, policy=entry.policy)
         entry.ids, entry.refs = ids, [weakref.ref(m) for m in mods]
-    if policy is not _KEEP and policy != entry.policy:
-        entry.policy = policy
-        for m in entry.view.modules():
-            if isinstance(m, PackedLinear):
-                m.policy = policy
     return entry.view
+
+
+def _entry_of(run: torch.nn.Module):
+    """(model, _Entry) when `run` is a live packed view, else (None, None)."""
+    hit = _SOURCES.get(run)
+    model = hit[0]() if hit is not None else None
+    entry = _VIEWS.get(model, {}).get(hit[1]) if model is not None else None
+    if entry is None or entry.view is not run:
+        return None, None
+    return model, entry
 
 
 def kernels_of(run: torch.nn.Module, model: torch.nn.Module) -> str:
     """How `run` (the model itself or its packed view) computes its linear layers."""
     if run is model:
         return "stock"
-    entry = _VIEWS.get(model)
-    policy = entry.policy if entry is not None and entry.view is run else None
+    source, entry = _entry_of(run)
+    policy = entry.policy if entry is not None and source is model else None
     return "prepacked" if policy is None else policy.describe()
 
 
@@ -293,8 +330,8 @@ def for_rows(run: torch.nn.Module, rows: int) -> torch.nn.Module:
     anyway; the model itself skips those checks (~3 us a layer, ~5% of a one-token step of a
     small model). The two compute the same (the view shares every parameter; `refresh` keeps
     its structure current)."""
-    model = mixed_source(run)
-    if model is None or _VIEWS[model].policy.use_packed(rows):
+    model, entry = _entry_of(run)
+    if entry is None or entry.policy is None or entry.policy.use_packed(rows):
         return run
     return model
 
@@ -302,23 +339,18 @@ def for_rows(run: torch.nn.Module, rows: int) -> torch.nn.Module:
 def mixed_source(run: torch.nn.Module) -> torch.nn.Module | None:
     """`run`'s own model when `run` is a packed view under a per-row-count `KernelPolicy`
     (some row counts take the stock kernel), else None."""
-    ref = _SOURCES.get(run)
-    model = ref() if ref is not None else None
-    entry = _VIEWS.get(model) if model is not None else None
-    if entry is None or entry.view is not run or entry.policy is None:
-        return None
-    return model
+    model, entry = _entry_of(run)
+    return model if entry is not None and entry.policy is not None else None
 
 
 def refresh(module: torch.nn.Module) -> torch.nn.Module:
     """Bring a view returned by `packed_model` / `maybe_packed` up to date with its model
     (in place; cheap when nothing changed) and return it; any other module is returned
     as is. Runners that keep a view across calls call this once per generate call."""
-    source = _SOURCES.get(module)
-    model = source() if source is not None else None
-    if model is None:
-        return module
-    return packed_model(model)
+    model, entry = _entry_of(module)
+    return module if entry is None else packed_model(model, entry.policy)
+
+
 def maybe_packed(model: torch.nn.Module, prepack="auto") -> torch.nn.Module:
     """`model`, or its packed view when `should_prepack(model, prepack)`: with True the packed
     kernel at every row count, with "auto" the measured `KernelPolicy` (the faster kernel per

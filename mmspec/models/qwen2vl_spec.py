@@ -68,6 +68,12 @@ class Qwen2VLSpec(HFSpec):
         super().begin(input_ids, attention_mask, model_inputs)
         image_grid = model_inputs.get("image_grid_thw")
         video_grid = model_inputs.get("video_grid_thw")
+        for name, grid in (("image_grid_thw", image_grid), ("video_grid_thw", video_grid)):
+            if grid is not None and (not isinstance(grid, torch.Tensor) or grid.is_floating_point()
+                                     or grid.is_complex() or grid.dtype == torch.bool):
+                got = getattr(grid, "dtype", type(grid).__name__)
+                raise ValueError(f"{name} must be an integer tensor of (t, h, w) patch counts per image, as the "
+                                 f"processor returns it; got {got}: pass a long tensor (e.g. {name}.long())")
         if image_grid is None and video_grid is None:
             # Text only: every stream is the logical position, no offset.
             logical = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
