@@ -94,7 +94,8 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         `num_draft_steps` default 4, `prefill_fraction` default 0.15) or "self" (the target drafts from its own earlier
         conditioning and drafts are verified along their whole denoising path; no drafter needed;
         default 3 steps a round, or "auto": per request, K = 0 (plain sampling) to 4 chosen by
-        measured speed at each batch size, learned across the pipeline's calls;
+        measured speed at each batch size, learned across the pipeline's calls (separately per
+        num_iter, guidance, schedule and temperature);
         `stats.draft_steps` says which; `pipelines/cspd_self.py`)."""
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")
@@ -172,10 +173,15 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         if self_draft:
             k, bandit = num_draft_steps, None
             if k == "auto":  # a per-request choice among K = 0 (plain) .. SELF_DRAFT_K_MAX by measured speed
-                bandit = self.__dict__.get("_self_draft_bandit")
+                # One bandit per setting that changes a request's time or acceptance (its reward is a
+                # whole request's tokens per second: 16-step requests looked 4x faster than 64-step
+                # ones to whichever arm ran them); each learns per batch size.
+                bandits = self.__dict__.setdefault("_self_draft_bandits", {})
+                setting = (num_iter, float(guidance_scale), cfg_schedule, float(temperature))
+                bandit = bandits.get(setting)
                 if bandit is None:
-                    bandit = WindowBandit(SELF_DRAFT_K_MAX, arms=list(range(SELF_DRAFT_K_MAX + 1)))
-                    object.__setattr__(self, "_self_draft_bandit", bandit)
+                    top = min(SELF_DRAFT_K_MAX, num_iter)  # a round drafts at most num_iter steps
+                    bandit = bandits[setting] = WindowBandit(top, arms=list(range(top + 1)))
                 bandit.begin_request()  # records the previous request's rate
                 k = bandit.choose(len(labels))
             t0 = time.perf_counter()

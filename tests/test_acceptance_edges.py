@@ -167,7 +167,8 @@ def test_registry_names_and_get_rule():
         assert cls.__name__ in acceptance.__all__
 
 
-ALLOWED = {"torch", "math", "dataclasses", "typing", "inspect", "__future__", "mmspec.types", "mmspec.sampling", "mmspec.tree"}
+ALLOWED = {"torch", "math", "dataclasses", "typing", "inspect", "__future__", "mmspec.types", "mmspec.sampling", "mmspec.tree",
+           "mmspec.versions"}
 
 
 def test_acceptance_layering():

@@ -167,7 +167,8 @@ def test_pipeline_auto_draft_steps_choose_per_request_by_measured_speed():
     outs = [pipe([0, 3], generator=torch.Generator().manual_seed(i), draft="self", num_draft_steps="auto", **kw)
             for i in range(9)]
     ks = [o.stats.draft_steps for o in outs]
-    bandit = pipe._self_draft_bandit
+    (setting, bandit), = pipe._self_draft_bandits.items()
+    assert setting == (6, 2.0, "linear", 1.0)  # num_iter, guidance, schedule, temperature
     assert ks == [arm for _, arm in bandit.requests]  # the stats report what ran
     assert ks[:6] == [4, 4, 3, 2, 1, 0]  # the batch size's cold first request is not counted; then every arm once
     assert set(bandit.batches[2].raw) == {0, 1, 2, 3, 4}  # each one's measured rate, at batch 2
@@ -177,3 +178,9 @@ def test_pipeline_auto_draft_steps_choose_per_request_by_measured_speed():
     assert outs[4].stats.draft_steps == 1 and outs[4].stats.drafted_tokens > 0
     with pytest.raises(ValueError, match="num_draft_steps='auto' is for draft='self'"):
         pipe([0], num_draft_steps="auto", **kw)
+    # Another step count is another request cost: its own bandit, starting cold; the first keeps its rates.
+    fewer = pipe([0, 3], generator=torch.Generator().manual_seed(0), draft="self", num_draft_steps="auto",
+                 **{**kw, "num_iter": 3})
+    assert set(pipe._self_draft_bandits) == {(6, 2.0, "linear", 1.0), (3, 2.0, "linear", 1.0)}
+    assert pipe._self_draft_bandits[(3, 2.0, "linear", 1.0)].requests == [(2, fewer.stats.draft_steps)]
+    assert len(bandit.requests) == 9 and set(bandit.batches[2].raw) == {0, 1, 2, 3, 4}
