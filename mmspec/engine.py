@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mmspec.in_use import exclusive
 from mmspec.adaptive import DraftLengthController
 from mmspec.protocols import check_drafter, check_rule, check_target, is_target
 from mmspec.sampling import SamplingConfig, check_generator, plain_number, probs_finite, process_logits
@@ -325,14 +326,15 @@ def speculative_generate(
         if callable(check) and model_inputs:
             check(input_ids, attention_mask, model_inputs)
         return SpecOutput(input_ids.clone(), stats)
-    loop = _Loop(target, drafter, rule, sampling, generator, stats, input_ids.device)
-    if position_limit is not None:  # room before the table's end, from the longest (padded) row
-        loop.position_room = (position_limit, input_ids.shape[1])
-    emitter = _Emitter(input_ids.shape[0], max_new_tokens, eos, pad_token_id, input_ids.device)
-    loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
-    while emitter.rows_host:
-        loop.step(emitter)
-    return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
+    with exclusive(target, drafter):  # one request at a time per object (mmspec/in_use.py)
+        loop = _Loop(target, drafter, rule, sampling, generator, stats, input_ids.device)
+        if position_limit is not None:  # room before the table's end, from the longest (padded) row
+            loop.position_room = (position_limit, input_ids.shape[1])
+        emitter = _Emitter(input_ids.shape[0], max_new_tokens, eos, pad_token_id, input_ids.device)
+        loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
+        while emitter.rows_host:
+            loop.step(emitter)
+        return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
 
 
 class _Loop:

@@ -93,3 +93,51 @@ def test_controllers_per_step_logs_stay_bounded_on_a_long_running_drafter():
     for controller in (DraftLengthController(4), WindowBandit(8)):
         assert isinstance(controller.history, Recent) and controller.history.keep == 100_000
     assert isinstance(WindowBandit(8).requests, Recent)
+
+
+def test_one_request_at_a_time_per_target_and_drafter():
+    """Two threads decoding through one drafter overwrote each other's caches (shape errors from
+    deep in the forward, and wrong tokens returned silently); the second request is refused by
+    name, and threads with their own drafters over one bare model decode correctly."""
+    import threading
+
+    from mmspec import GuidedTarget
+    from mmspec.in_use import exclusive
+
+    model = tiny_llama(2, 0)
+    ids, mask = left_padded([6, 4])
+    expected = plain(model, ids, mask)
+    target, drafter = HFTarget(model), ModelDrafter(noisy_copy(model, 0.3), 3)
+    with exclusive(target, drafter):  # as if another thread were decoding through them
+        with pytest.raises(ValueError, match="ModelDrafter is decoding another request right now"):
+            mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
+        with pytest.raises(ValueError, match="HFTarget is decoding another request right now"):
+            mmspec.speculative_generate(GuidedTarget(target, 1.0, uncond_input_ids=ids), NullDrafter(40), ids, mask,
+                                        temperature=0, max_new_tokens=10)
+    assert torch.equal(mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
+                       .sequences, expected)  # released: usable again
+    results = {}
+
+    def work(i):
+        out = mmspec.speculative_generate(model, ModelDrafter(noisy_copy(model, 0.3, seed=i), 3), ids, mask,
+                                          temperature=0, max_new_tokens=10)
+        results[i] = torch.equal(out.sequences, expected)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results == {i: True for i in range(4)}
+
+
+def test_an_image_callback_may_call_the_pipeline_back():
+    """Each image-pipeline call decodes through its own target and drafter objects, so a callback
+    that generates again (a preview, say) leaves the outer run's tokens as they were."""
+    from test_ar_image_pipeline import make_pipe
+
+    pipe = make_pipe()
+    alone = pipe([0, 2], temperature=0, output_type="latent").tokens
+    inner = []
+    nested = pipe([0, 2], temperature=0, output_type="latent",
+                  callback_on_step_end=lambda p, s, d, kw: inner.append(p([1], temperature=0, output_type="latent")))
+    assert torch.equal(nested.tokens, alone) and len(inner) == nested.stats.target_calls  # one per verify forward
+    assert torch.equal(inner[0].tokens, pipe([1], temperature=0, output_type="latent").tokens)
