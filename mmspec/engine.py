@@ -129,7 +129,10 @@ def _check_positions(target, drafter, length: int, max_new_tokens: int) -> int |
     before the table's end: returns that table size, or None when no cap is needed."""
     if max_new_tokens == 0:
         return None
-    depth = int(getattr(drafter, "max_draft_nodes", 0) or 0)
+    # How far past its root a step's drafts reach: a tree's depth (not its node count); none when
+    # the request emits one token (the prefill's, no step drafts).
+    tree = getattr(drafter, "tree", None)
+    depth = 0 if max_new_tokens == 1 else int(getattr(tree, "depth", None) or getattr(drafter, "max_draft_nodes", 0) or 0)
     plain = length + max_new_tokens - 1  # positions plain decoding feeds
     cap = None
     for role, part in (("target", target), ("drafter", drafter)):
@@ -149,7 +152,7 @@ def _check_positions(target, drafter, length: int, max_new_tokens: int) -> int |
         fits = limit - length + 1 - depth
         raise ValueError(
             f"prompt length {length} + max_new_tokens {max_new_tokens} + up to {depth} draft positions may need "
-            f"{plain + depth} positions, more than {table}; draft fewer tokens (max_draft_nodes={depth})"
+            f"{plain + depth} positions, more than {table}; draft fewer tokens (a shallower tree or chain)"
             + (f" or lower max_new_tokens to {fits}" if fits > 0 else "")
         )
     return cap

@@ -80,6 +80,7 @@ class StaticKV(RaggedKV):
             self.keys, self.values = reuse.keys, reuse.values
         self.active = torch.arange(B, device=attention_mask.device)  # [B'] physical row of each loop row
         self.active_host = list(range(B))
+        self.live = torch.ones(B, dtype=torch.bool, device=attention_mask.device)  # [B0] False: an inert row
 
     def mark_static(self) -> None:
         """Tell dynamo the KV buffers keep their addresses (CUDA graphs write them in place)."""
@@ -147,7 +148,9 @@ class StaticKV(RaggedKV):
         visible = committed.unsqueeze(1) | (in_region.unsqueeze(1) & region_vis)  # [B0, Q, S]
         self.write_rows = torch.arange(B0, device=device).unsqueeze(1).expand(B0, Q)
         self.write_slots = start.unsqueeze(1) + T + torch.arange(Q, device=device).unsqueeze(0)
-        q_pos = self.next_pos.unsqueeze(1) + full_depth
+        # An inert row is fed at position 0: its own next position may lie past a position table's
+        # end (a finished row whose capped last drafts were all accepted; GPT-2 failed on wpe).
+        q_pos = torch.where(self.live.unsqueeze(1), self.next_pos.unsqueeze(1) + full_depth, 0)
         self.slot_pos[self.write_rows, self.write_slots] = q_pos
         self.write_slice = None  # index-based writes only
         self.kv_len, self.past_len = S, S - Q  # constants of the request (no per-step ints)
@@ -181,3 +184,4 @@ class StaticKV(RaggedKV):
         """Keep only these loop rows; the others become inert padding rows (no copy)."""
         self.active = self.active.index_select(0, rows)
         self.active_host = [self.active_host[r] for r in rows_host]
+        self.live = torch.zeros_like(self.live).index_fill_(0, self.active, True)

@@ -187,9 +187,9 @@ def test_learned_position_tables_bound_the_request():
                                               generator=torch.Generator().manual_seed(0))  # exact sampling, capped too
         assert sampled.sequences.shape == ref.shape and sampled.stats.nodes_per_step[-1] < 3
         tree = ModelDrafter(model, tree=mmspec.TreeConfig(depth=2, top_k=2, num_nodes=3))  # a fixed shape
-        with pytest.raises(ValueError, match=r"may need 19 positions, more than the target's position "
-                                             r"table holds \(16\); draft fewer tokens \(max_draft_nodes=3\) or lower "
-                                             r"max_new_tokens to 4"):
+        with pytest.raises(ValueError, match=r"up to 2 draft positions may need 18 positions, more than the target's "
+                                             r"position table holds \(16\); draft fewer tokens \(a shallower tree or "
+                                             r"chain\) or lower max_new_tokens to 5"):  # a tree reaches its depth
             mmspec.speculative_generate(model, tree, ids, max_new_tokens=7, temperature=0)
         with pytest.raises(ValueError, match="needs 17 positions.*lower max_new_tokens to 7"):  # plain cannot either
             mmspec.speculative_generate(model, ModelDrafter(model, 1), ids, max_new_tokens=8, temperature=0)

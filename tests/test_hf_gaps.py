@@ -157,3 +157,75 @@ def test_a_refused_streamer_is_ended():
         model.generate(input_ids=torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, pad_token_id=0,
                        streamer=streamer, custom_generate=speculative_decoding, drafter=NullDrafter(VOCAB))
     assert streamer.ended
+
+
+def plain_rows(model, ids, mask, n):
+    """Each row decoded alone by generate (a padded batch would feed a short row's pads positions too)."""
+    rows = []
+    for i in range(ids.shape[0]):
+        real = ids[i][mask[i].bool()].unsqueeze(0)
+        rows.append(model.generate(input_ids=real, do_sample=False, max_new_tokens=n, pad_token_id=0,
+                                   eos_token_id=None)[0, real.shape[1]:])
+    return rows
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_gpt2_decodes_up_to_its_position_table_with_rows_of_different_lengths(static):
+    """A static target fed a finished (inert) row at its next position, which after capped last
+    drafts could be n_positions itself: an IndexError on wpe while other rows still decoded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mmspec.models import HFTarget
+
+    torch.manual_seed(2)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=48,
+                                       initializer_range=0.5)).double().eval()
+    ids, mask = left_padded([1, 10, 5], seed=10)
+    out = mmspec.speculative_generate(HFTarget(model, static=static), ModelDrafter(noisy_copy(model, 0.3), 4), ids,
+                                      mask, temperature=0, max_new_tokens=39)
+    for row, ref in zip(out.sequences[:, ids.shape[1]:], plain_rows(model, ids, mask, 39)):
+        assert torch.equal(row, ref)
+
+
+def test_position_tables_and_cacheless_models_are_found():
+    """BERT-style decoders keep their table at embeddings.position_embeddings (missed: drafts ran
+    past it, an index error); OpenAI-GPT has no KV cache (every request failed in attention)."""
+    from transformers import BertConfig, BertLMHeadModel, OpenAIGPTConfig, OpenAIGPTLMHeadModel
+
+    from mmspec.models import HFTarget
+
+    torch.manual_seed(0)
+    bert = BertLMHeadModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=40, is_decoder=True,
+                                      pad_token_id=0)).double().eval()
+    assert HFTarget(bert).max_positions == 40
+    ids, mask = left_padded([10], seed=1)
+    out = mmspec.speculative_generate(bert, ModelDrafter(noisy_copy(bert, 0.2), 3), ids, mask, temperature=0,
+                                      max_new_tokens=31)  # capped at the table's end, as plain decoding fits
+    assert torch.equal(out.sequences[0, 10:], plain_rows(bert, ids, mask, 31)[0])
+    with pytest.raises(ValueError, match="lower max_new_tokens to 31"):
+        mmspec.speculative_generate(bert, ModelDrafter(bert, 3), ids, mask, temperature=0, max_new_tokens=32)
+    gpt = OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=40))
+    with pytest.raises(ValueError, match=r"OpenAIGPTLMHeadModel \(openai-gpt\) takes no KV cache"):
+        HFTarget(gpt)
+
+
+def test_the_position_check_counts_how_far_drafts_reach():
+    """A tree reaches its depth past the root, not its node count, and a one-token request drafts
+    nothing: both were refused near a position table's end although every forward fit."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mmspec import TreeConfig
+
+    torch.manual_seed(2)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=48)).double().eval()
+    small = noisy_copy(model, 0.3)
+    ids, mask = left_padded([10], seed=4)
+    tree = ModelDrafter(small, tree=TreeConfig(depth=2, top_k=2, num_nodes=6))
+    out = mmspec.speculative_generate(model, tree, ids, mask, temperature=0, max_new_tokens=37)  # deepest: 47
+    assert torch.equal(out.sequences[0, 10:], plain_rows(model, ids, mask, 37)[0])
+    full, full_mask = left_padded([48], seed=4)
+    out = mmspec.speculative_generate(model, tree, full, full_mask, temperature=0, max_new_tokens=1)
+    assert torch.equal(out.sequences[0, 48:], plain_rows(model, full, full_mask, 1)[0])
+    with pytest.raises(ValueError, match="position table"):
+        mmspec.speculative_generate(model, tree, ids, mask, temperature=0, max_new_tokens=38)

@@ -71,7 +71,7 @@ def placeholder_ids(config, kinds=("image", "video")) -> list[int]:
             if isinstance(v := getattr(config, name, None), int) and not isinstance(v, bool)]
 
 
-_POSITION_TABLES = ("wpe", "embed_positions")  # GPT-2 / GPT-Neo / GPT-BigCode; OPT / BioGPT
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")  # GPT-2 / GPT-Neo; OPT / BioGPT; BERT-style
 
 
 def learned_position_limit(model) -> int | None:

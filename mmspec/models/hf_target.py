@@ -66,6 +66,11 @@ def check_supported(model) -> None:
     if callable(getattr(model, "can_generate", None)) and not model.can_generate():
         raise ValueError(f"{name} is not a generative model (transformers' can_generate() is False: e.g. a masked or "
                          "classification LM); load a *ForCausalLM / *ForConditionalGeneration class")
+    if not {"cache", "past_key_values"} & set(params):
+        # OpenAI-GPT: no KV cache at all (each forward re-reads the whole sequence), so the ragged
+        # cache never reached it and every request failed with a shape error deep in attention.
+        raise ValueError(f"{name} ({model_type}) takes no KV cache (neither cache nor past_key_values), which "
+                         "mmspec's verify forwards extend; such models are not supported (use a model with a cache)")
     if "position_ids" not in params:
         # BART-family decoders (Bart/Marian/Pegasus/Blenderbot ForCausalLM, ...) number positions
         # from the cache length: a tree node or a shorter padded row would get the wrong position.
