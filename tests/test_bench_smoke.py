@@ -319,3 +319,19 @@ def test_bench_imagegen_checks_the_judge_against_the_generator_before_timing(tmp
     from mmspec.bench.imagegen import load_pipeline
 
     check_judge(load_pipeline(str(Path(__file__).resolve().parents[1] / "assets" / "testbed" / "imagegen")), str(JUDGE_DIR))
+
+
+def test_bench_runs_mmspec_on_the_measured_mixed_kernels(tmp_path, monkeypatch):
+    """Where the measurement mixes kernels by row count, the "prepacked" mmspec rows ran their own
+    view (prepack=True: packed everywhere) while the forwards were recorded on the measured one:
+    the ideal-engine replay found no forwards ('max() arg is an empty sequence')."""
+    from mmspec.models import kernel_choice
+
+    mixed = kernel_choice.KernelPolicy(kernel_choice.ROWS, (False, True, True, True, True))
+    monkeypatch.setattr(kernel_choice, "measure", lambda model, *a, **k: {"prepack": True, "policy": mixed})
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--smoke", "--threads", "1", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["info"]["mmspec_kernels"].startswith("mixed by rows (stock at 1, prepacked at 2")
+    mine = [r for r in report["rows"] if r["method"] == "mmspec" and r["kernels"] != "stock"]
+    assert mine and all(r["identical_to_plain"] for r in report["rows"])

@@ -239,7 +239,9 @@ def run(config: BenchConfig = BenchConfig(), progress=print, checkpoint=None) ->
             if B == 1:  # transformers' assisted generation refuses batch > 1
                 _assisted_setup(d_m, K)
                 methods[("transformers assisted", kern)] = lambda t_m=t_m, d_m=d_m: t_m.generate(**gen_args, assistant_model=d_m)
-            pre = kern == "prepacked"
+            # "auto": the wrap runs the very view (and measured kernel policy) that generate runs on
+            # above; True would be a view of its own, packed at every row count.
+            pre = "auto" if kern == "prepacked" else False
             methods[("mmspec", kern)] = lambda pre=pre: mmspec.speculative_generate(
                 HFTarget(target, prepack=pre), ModelDrafter(drafter, K, prepack=pre), ids, mask,
                 temperature=0, max_new_tokens=N, pad_token_id=0)
