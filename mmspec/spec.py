@@ -126,7 +126,9 @@ class SpecRunner:
         # CUDA eager forwards (prefill and steps): the attention backends measured fastest on fresh
         # shapes (mmspec/attention_choice.py), resolved at prefill; None leaves torch's choice alone.
         self.attention = check_mode(attention)
-        spec.cpu_attention = self.attention == "auto" and not (static or compile is not None)
+        # Held by the runner and set on the spec before each forward: a spec shared by two runners
+        # (one compiled, one eager) got the last-built runner's flag for both.
+        self.cpu_attention = spec.cpu_attention = self.attention == "auto" and not (static or compile is not None)
         self._sdpa: list | None = None
         self.kv: RaggedKV | None = None
         self.features = FeatureRequest()
@@ -139,6 +141,9 @@ class SpecRunner:
                                  "torch.compile); use static=True without compile, or no compile")
             from mmspec.compiled import compiled
 
+            unpacked = getattr(spec, "for_compile", None)  # e.g. LlamaGenSpec: no prepacked view under compile
+            if callable(unpacked):
+                unpacked()
             self._step = compiled(spec.forward, compile)
 
     def prefill(
@@ -170,6 +175,7 @@ class SpecRunner:
         self._sdpa = None if self.static else backends_for(self.spec, input_ids.device, self.spec.dtype,
                                                            self.attention)
         with context(self._sdpa):  # the prompt's length is a fresh shape too
+            self.spec.cpu_attention = self.cpu_attention
             out = self.spec.prefill(input_ids, attention, self.kv, model_inputs, self.features)
         self.kv.scrub_padding()
         if self.compile is not None:
@@ -193,6 +199,7 @@ class SpecRunner:
         if not isinstance(last_only, bool) and (not isinstance(last_only, int) or not 1 <= last_only <= tokens.shape[1]):
             raise ValueError(f"last_only must be a bool or an int in 1..{tokens.shape[1]} (queries whose logits to keep), "
                              f"got {last_only!r}")
+        self.spec.cpu_attention = self.cpu_attention
         if not self.static:
             attention = self.kv.plan(depth, tree_visible, uncommitted, sees_region=sees_region)
             if self._sdpa is not None:  # CUDA, measured (the CPU path stays free of any context)

@@ -101,3 +101,41 @@ def test_named_rules_get_tables_from_the_target(scale):
     with pytest.raises(ValueError, match="codebook"):  # no VQ codebook given: LANTERN cannot run
         mmspec.speculative_generate(llamagen_target(gpt, scale), drafter, LABELS.view(-1, 1), acceptance="lantern",
                                     acceptance_kwargs={"k": 8}, max_new_tokens=T)
+
+
+def test_a_compiled_runner_never_runs_prepacked_weights_or_eager_attention_choices(monkeypatch):
+    """compile over a LlamaGenSpec ran its prepacked view ("auto" packs large row counts on some
+    CPUs; per-call checks broke the graph) and, with the spec shared by an eager drafter, the CPU
+    attention measurement of the runner built last. "auto" now compiles the model itself,
+    prepack=True is refused, and each runner sets its own attention flag before its forwards."""
+    import mmspec
+    from mmspec.drafters import ModelDrafter
+    from mmspec.models import kernel_choice
+    from mmspec.models.llamagen_spec import LlamaGenSpec
+    from mmspec.spec_target import SpecTarget
+
+    from _llamagen_helpers import LABELS, plain_greedy, tiny_gpt
+
+    gpt = tiny_gpt(0, dtype=torch.float32)
+    mixed = kernel_choice.KernelPolicy(kernel_choice.ROWS, (False, True, True, True, True))
+    monkeypatch.setattr(kernel_choice, "measure", lambda model, *a, **k: {"prepack": True, "policy": mixed})
+    spec = LlamaGenSpec(gpt)
+    assert spec.gpt is not gpt and spec.kernels.startswith("mixed by rows")
+    SpecTarget(spec, compile={"backend": "aot_eager"})  # built, not run (tracing is slow)
+    assert spec.gpt is gpt and spec.kernels == "stock"
+    with pytest.raises(ValueError, match=r"LlamaGenSpec\(gpt, prepack=True\) cannot be compiled"):
+        SpecTarget(LlamaGenSpec(gpt, prepack=True), compile={"backend": "aot_eager"})
+    seen = []
+    forward = LlamaGenSpec.forward
+
+    def spy(self, tokens, attention, kv, *args, **kwargs):
+        seen.append((type(kv).__name__, self.cpu_attention))
+        return forward(self, tokens, attention, kv, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaGenSpec, "forward", spy)
+    shared = LlamaGenSpec(gpt, prepack=False)
+    target, drafter = SpecTarget(shared, static=True), ModelDrafter(shared, 3)  # the eager drafter built last
+    out = mmspec.speculative_generate(target, drafter, LABELS.view(-1, 1), temperature=0, max_new_tokens=16)
+    assert torch.equal(out.sequences[:, 1:], plain_greedy(gpt))
+    assert {flag for kind, flag in seen if kind == "StaticKV"} == {False}  # the static target's forwards
+    assert {flag for kind, flag in seen if kind == "RaggedKV"} == {True}  # the eager drafter's

@@ -63,6 +63,7 @@ class LlamaGenSpec(ForwardSpec):
         self.model = gpt  # the user's model; `gpt` is what runs (the model or its packed view)
         self.gpt = maybe_packed(gpt, prepack)
         self.kernels = kernels_of(self.gpt, gpt)
+        self._prepack = prepack
         self._fresh = True  # the view was just checked against the model: the first request skips `refresh`
         self.args = gpt.args
         self.num_layers = gpt.args.n_layer
@@ -72,6 +73,17 @@ class LlamaGenSpec(ForwardSpec):
         self.dtype = gpt.tok_embeddings.weight.dtype
         self.last_position = gpt.seq_len - 1
         self.max_output_tokens = gpt.args.block_size  # the image grid (the loop refuses more)
+
+    def for_compile(self) -> None:
+        """Called by a runner that compiles this spec's forward: oneDNN-prepacked weights are an
+        eager CPU kernel choice whose per-call checks break the graph, so "auto" runs the model
+        itself there and prepack=True is refused."""
+        if self.gpt is self.model:
+            return
+        if self._prepack is True:
+            raise ValueError("LlamaGenSpec(gpt, prepack=True) cannot be compiled (prepacked oneDNN weights are an eager "
+                             "CPU kernel choice); pass prepack=False or 'auto' with compile")
+        self.gpt, self.kernels = self.model, "stock"
 
     # ---- per request -----------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
