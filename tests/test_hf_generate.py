@@ -229,3 +229,20 @@ def test_options_generate_keeps_from_the_callable_are_refused(target, good_draft
     with pytest.raises(ValueError, match="synced_gpus=True is not supported"):
         target.generate(**kw, synced_gpus=True, **spec)
     assert torch.equal(target.generate(**kw, **spec), target.generate(**kw))  # without them it runs
+
+
+def test_synced_gpus_left_to_its_default_is_refused_where_generate_would_sync(target, good_drafter, monkeypatch):
+    """generate turns synced_gpus=None on under ZeRO-3 / FSDP with several processes, but only for
+    its own loops: a callable custom_generate ran unsynced there (ranks would hang)."""
+    from transformers.generation import utils
+
+    kw = dict(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=4, do_sample=False, pad_token_id=0,
+              custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
+    ref = target.generate(**kw)
+    monkeypatch.setattr(utils, "is_deepspeed_zero3_enabled", lambda: True)
+    monkeypatch.setattr(utils, "_get_torch_distributed_world_size", lambda: 2)
+    with pytest.raises(ValueError, match="synced_gpus=True is not supported"):
+        target.generate(**kw)
+    assert torch.equal(target.generate(**kw, synced_gpus=False), ref)  # asked off by the caller: runs
+    monkeypatch.setattr(utils, "_get_torch_distributed_world_size", lambda: 1)
+    assert torch.equal(target.generate(**kw), ref)  # one process: nothing to sync

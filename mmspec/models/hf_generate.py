@@ -195,6 +195,19 @@ def _check_position_ids(position_ids, input_ids, attention_mask) -> None:
                          "speculative loop (it numbers positions itself); call generate without position_ids=")
 
 
+def _synced_by_default(model) -> bool:
+    """What `generate` takes `synced_gpus=None` to mean (on under DeepSpeed ZeRO-3 or FSDP with
+    more than one process); it computes that for its own loops only, not for a callable
+    `custom_generate`, which then ran unsynced where ranks must step together."""
+    from transformers.generation import utils
+
+    try:
+        sharded = utils.is_deepspeed_zero3_enabled() or utils.is_fsdp_managed_module(model)
+        return bool(sharded and utils._get_torch_distributed_world_size() > 1)
+    except AttributeError:  # another transformers: its own refusal of explicit synced_gpus still holds
+        return False
+
+
 def _dropped_generate_options() -> dict:
     """`streamer`, `assistant_model` and `synced_gpus` as given to the `generate` that called us.
     transformers 5 does not pass them to a callable `custom_generate` (it keeps only the callable's
@@ -208,7 +221,7 @@ def _dropped_generate_options() -> dict:
         return {}
     seen = frame.f_locals
     given = {k: seen.get(k) for k in ("streamer", "assistant_model", "synced_gpus")}
-    return {k: v for k, v in given.items() if v is not None and v is not False}
+    return {k: v for k, v in given.items() if v is not None}  # synced_gpus=False kept: asked off
 
 
 def speculative_decoding(
@@ -231,7 +244,8 @@ def speculative_decoding(
         raise ValueError("drafter is required: pass drafter=mmspec.drafters.ModelDrafter(small_model) to generate()")
     dropped = _dropped_generate_options()
     streamer = streamer if streamer is not None else dropped.get("streamer")
-    synced_gpus = synced_gpus or bool(dropped.get("synced_gpus"))
+    asked = dropped.get("synced_gpus")
+    synced_gpus = synced_gpus or bool(asked) or (asked is None and _synced_by_default(model))
     if dropped.get("assistant_model") is not None:
         raise ValueError("assistant_model= is transformers' own assisted generation; with custom_generate=speculative_"
                          "decoding pass the small model as drafter=mmspec.drafters.ModelDrafter(small_model) instead")
