@@ -451,6 +451,7 @@ class DraftLengthController:
         self._row_counts = {}
         self._req_step = 0
         self._plain_batch = None  # rank afresh: the last request's final plain steps say nothing of this one
+        self._shadow_due, self._shadow_rows = False, None  # a probe of a request that raised mid-step
 
     def _row_spread(self, min_tried: int = 4) -> float | None:
         """Method of moments over the rows of one request: the variance of the per-row acceptance

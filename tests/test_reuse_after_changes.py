@@ -141,3 +141,14 @@ def test_an_image_callback_may_call_the_pipeline_back():
                   callback_on_step_end=lambda p, s, d, kw: inner.append(p([1], temperature=0, output_type="latent")))
     assert torch.equal(nested.tokens, alone) and len(inner) == nested.stats.target_calls  # one per verify forward
     assert torch.equal(inner[0].tokens, pipe([1], temperature=0, output_type="latent").tokens)
+
+
+def test_a_shadow_probe_of_a_request_that_raised_does_not_reach_the_next():
+    """A plain step's shadow probe (drafter catch-up measuring acceptance) due or recorded when a
+    request raised was read by the next request's first step, with another request's rows."""
+    from mmspec.adaptive import DraftLengthController
+
+    ctrl = DraftLengthController(4)
+    ctrl._shadow_due, ctrl._shadow_rows = True, [(1, 1), (0, 1)]
+    ctrl.begin_request()
+    assert ctrl._shadow_due is False and ctrl._shadow_rows is None
