@@ -279,10 +279,41 @@ def test_view_does_not_keep_its_model_alive():
     model = _llama32()
     view = packed_model(model)
     alive = weakref.ref(model)
-    assert model in prepack._VIEWS
+    assert prepack._views_of(model)
     del model, view
     gc.collect()
-    assert alive() is None  # the cache holds models weakly and views never point back to them
+    assert alive() is None  # the views are kept on the model; nothing module-level holds either
+
+
+def test_a_model_whose_hooks_refer_to_it_is_freed_with_its_views():
+    """The views were kept in a weak dict keyed by model; a view copies the model's hooks and
+    attributes, so a hook closing over the model (or `model.orig = model.forward`) made the
+    dict's value hold its own key: the model and its packed weights were never freed."""
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    from mmspec.models import prepack
+
+    for how in ("hook", "attribute"):
+        model = _llama32()
+        if how == "hook":
+            model.register_forward_hook(lambda mod, args, out, model=model: out)
+        else:
+            model.orig_forward = model.forward
+        view = packed_model(model)
+        assert view is not model and packed_model(model) is view
+        clone = copy.deepcopy(model)  # neither a deep copy nor a pickle carries the packed copies
+        assert prepack._views_of(clone) == {} and packed_model(clone) is not view
+        if how == "attribute":  # a pickled model carries an empty plain dict, which is never taken for views
+            loaded = pickle.loads(pickle.dumps(model))
+            assert loaded.__dict__[prepack._HOLDER] == {} and prepack._views_of(loaded) == {}
+            assert packed_model(loaded) is not view
+        alive = weakref.ref(model)
+        del model, view, clone
+        gc.collect()
+        assert alive() is None, how
 
 
 def test_auto_kernels_follow_the_measurement(monkeypatch):
@@ -334,6 +365,9 @@ def test_kernel_policy_picks_the_nearest_measured_row_count():
     # log-nearest: 5 -> 8, 16 -> tie between 8 and 32 -> the smaller, 20 -> 32
     want = {1: False, 2: True, 3: True, 5: True, 8: True, 16: True, 20: False, 32: False, 500: False}
     assert {m: pol.use_packed(m) for m in want} == want
+    for m in range(1, 3000):  # every prefill shape of a server: the memo stays at the measured range
+        pol.use_packed(m)
+    assert len(pol._memo) < pol.rows[-1]
     assert pol.uniform is None and pol.describe().startswith("mixed by rows (stock at 1, prepacked at 2")
     assert KernelPolicy((1, 8), (True, True)).describe() == "prepacked"
     assert KernelPolicy((1, 8), (False, False)).uniform is False

@@ -158,7 +158,11 @@ def default_guidance(model: str) -> float:
     return 4.0
 
 
-_AUTO_DRAFTERS: dict = {}  # (pipeline id, method) -> the JacobiDrafter(window="auto") kept for the run
+def _auto_drafters(pipe) -> dict:
+    """(method[, "K"]) -> what a bench method keeps across its calls (a JacobiDrafter(window="auto"),
+    draft-length controllers), held on the pipeline itself: a module dict keyed by id(pipe) kept
+    every run's drafters alive and could hand them to a later pipeline at the same address."""
+    return pipe.__dict__.setdefault("_bench_auto_drafters", {})
 
 
 def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window: int | str | None = None,
@@ -173,12 +177,12 @@ def _set_drafter(pipe, gpt_drafter, kind: str, coupling, K: int, W: int, window:
         settings["num_draft_tokens"] = "auto" if window == "auto" else K
         # K = "auto": the pipeline keeps what the controller learnt across calls; one controller
         # set per bench method, so that rows with different rules do not share acceptance estimates.
-        pipe.__dict__["_draft_length_controllers"] = _AUTO_DRAFTERS.setdefault((id(pipe), method, "K"), {})
+        pipe.__dict__["_draft_length_controllers"] = _auto_drafters(pipe).setdefault((method, "K"), {})
     elif kind == "jacobi" and window == "auto":
-        key = (id(pipe), method)
-        if key not in _AUTO_DRAFTERS:
-            _AUTO_DRAFTERS[key] = JacobiDrafter("auto", coupling, max_window=max(W, 16))
-        pipe.drafter = _AUTO_DRAFTERS[key]
+        kept = _auto_drafters(pipe)
+        if method not in kept:
+            kept[method] = JacobiDrafter("auto", coupling, max_window=max(W, 16))
+        pipe.drafter = kept[method]
     elif kind == "jacobi":
         pipe.drafter = JacobiDrafter(window or W, coupling)
     pipe.register_to_config(drafter_config=settings)
@@ -276,11 +280,8 @@ def judge_quality(pipe, cfg: ImageBenchConfig, scale: float, methods: list[str],
     return out
 
 
-_DRAFTER_MODEL = {}
-
-
 def _drafter_model(pipe):
-    return _DRAFTER_MODEL.get(id(pipe))
+    return pipe.__dict__.get("_bench_drafter_model")  # (on the pipeline: see _auto_drafters)
 
 
 def run(cfg: ImageBenchConfig, progress=lambda m: None, checkpoint=None) -> dict:
@@ -295,7 +296,7 @@ def run(cfg: ImageBenchConfig, progress=lambda m: None, checkpoint=None) -> dict
         pipe.to(cfg.device)
         if gpt_drafter is not None:  # kept beside the pipeline while a Jacobi drafter is active
             gpt_drafter.to(cfg.device)
-    _DRAFTER_MODEL[id(pipe)] = gpt_drafter
+    pipe.__dict__["_bench_drafter_model"] = gpt_drafter
     scale = cfg.guidance_scale if cfg.guidance_scale is not None else default_guidance(cfg.model)
     methods = list(cfg.methods) or [m for m in (*METHODS, *WINDOW_METHODS, *STOCK_METHODS)
                                      if gpt_drafter is not None or method_spec(m)[0] != "model"]

@@ -53,6 +53,8 @@ class KernelPolicy:
     def use_packed(self, m: int) -> bool:
         hit = self._memo.get(m)
         if hit is None:
+            if m >= self.rows[-1]:  # nearest in log scale: the largest measured (no memo entry per prompt shape)
+                return self.packed[-1]
             lm = math.log(max(m, 1))
             best = min(range(len(self.rows)), key=lambda i: (abs(lm - math.log(self.rows[i])), i))
             hit = self._memo[m] = self.packed[best]

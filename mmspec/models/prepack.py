@@ -175,7 +175,7 @@ def _plain_linear(module: torch.nn.Module) -> bool:
 def repack(model: torch.nn.Module) -> None:
     """Rebuild the packed copies of `model`'s view at their next use: for weights edited
     through `p.data`, which the version-counter check cannot see."""
-    for entry in _VIEWS.get(model, {}).values():
+    for entry in _views_of(model).values():
         for m in entry.view.modules():
             if isinstance(m, PackedLinear):
                 m._version = -1
@@ -198,6 +198,7 @@ def _view(module: torch.nn.Module, memo: dict, reuse: dict, into: torch.nn.Modul
             new = into
             new.__dict__.clear()
             new.__dict__.update(module.__dict__)
+        new.__dict__.pop(_HOLDER, None)  # the root's views stay on the model
         new._parameters = dict(module._parameters)
         new._buffers = dict(module._buffers)
         _copy_hooks(module, new)
@@ -265,10 +266,38 @@ class _Entry:
         return ids == self.ids and len(mods) == len(self.refs) and all(r() is m for r, m in zip(self.refs, mods))
 
 
-# model -> {policy key: _Entry}, and view -> (model, policy key) (weakly both ways: a view never
-# keeps its model alive). One view per model and policy: a wrap's policy is its own.
-_VIEWS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+# A model's views ({policy key: _Entry}) are kept on the model itself (`_HOLDER`), and view ->
+# (model, policy key) weakly. One view per model and policy: a wrap's policy is its own. (A weak
+# dict keyed by model leaked: the view copies the model's hooks and attributes, and one that
+# refers back to the model, a hook closing over it, made the value hold its own key forever.)
+_HOLDER = "_mmspec_packed_views"
 _SOURCES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+class _Views(dict):
+    """A model's views: pickled and deep-copied as an empty plain dict (never its packed
+    copies), and only its own model's (a shallow copy of the model shares the attribute)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.owner = weakref.ref(model)
+
+    def __reduce__(self):
+        return dict, ()
+
+    def __deepcopy__(self, memo):
+        return {}
+
+
+def _views_of(model: torch.nn.Module, create: bool = False) -> dict:
+    views = model.__dict__.get(_HOLDER)
+    if isinstance(views, _Views) and views.owner() is model:
+        return views
+    if not create:
+        return {}
+    views = _Views(model)
+    object.__setattr__(model, _HOLDER, views)  # a plain attribute (not a module, parameter or buffer)
+    return views
 
 
 def _policy_key(policy):
@@ -283,10 +312,8 @@ def packed_model(model: torch.nn.Module, policy=None) -> torch.nn.Module:
     weights keep their packed copies. `policy` (a `kernel_choice.KernelPolicy`, or None for
     the packed kernel at every row count) sets which kernel each row count uses; views of one
     model under other policies are separate (and share the packed copies of unchanged weights)."""
+    entries = _views_of(model, create=True)  # before the fingerprint, which sees the model's attributes
     ids, mods = _fingerprint(model)
-    entries = _VIEWS.get(model)
-    if entries is None:
-        entries = _VIEWS[model] = {}
     key = _policy_key(policy)
     entry = entries.get(key)
     if entry is None:
@@ -308,7 +335,7 @@ def _entry_of(run: torch.nn.Module):
     """(model, _Entry) when `run` is a live packed view, else (None, None)."""
     hit = _SOURCES.get(run)
     model = hit[0]() if hit is not None else None
-    entry = _VIEWS.get(model, {}).get(hit[1]) if model is not None else None
+    entry = _views_of(model).get(hit[1]) if model is not None else None
     if entry is None or entry.view is not run:
         return None, None
     return model, entry
