@@ -13,8 +13,10 @@ Components: `target` (a transformers LLaVA-1.5 / LLaVA-NeXT / Qwen2-VL / Qwen2.5
 `drafter` (a `DrafterComponent`: text LM, EAGLE head or ViSpec head). A saved pipeline keeps
 every drafter added to it under `drafters/<name>/`; `pipe.load_drafter(name_or_dir)` switches.
 
-Prompts go through the processor's chat template (one image, then the text); `None` captions
-with `caption_prompt`; a prompt that already contains the image placeholder is used verbatim.
+`images`: one entry per item, an image (PIL, path), a list of images (several in one prompt),
+or None / [] for a text-only item. Prompts go through the processor's chat template (the item's
+images, then the text); `None` captions with `caption_prompt`; a prompt that already contains
+the image placeholder is used verbatim.
 `speculative=False` decodes plainly through the same loop and target code (a drafter that
 drafts nothing), so both paths are compared like for like. Greedy (`temperature=0`) output is
 identical either way; `acceptance="exact"` keeps sampled output distributed like the target, and
@@ -391,7 +393,8 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         errors: list[str | None] = [None] * n
         ready = []
         for i, (img, text) in enumerate(zip(images, prompts)):
-            if img is None and text is None:  # was captioned from the caption prompt alone: an invented picture
+            if (img is None or (isinstance(img, (list, tuple)) and not img)) and text is None:
+                # was captioned from the caption prompt alone: an invented picture ([] too)
                 raise ValueError(f"item {i} has neither an image nor a prompt: give an image to caption or a text "
                                  "prompt to answer")
             try:

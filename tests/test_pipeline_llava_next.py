@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mmspec
+from mmspec.drafters.null_drafter import NullDrafter
 from mmspec.pipelines import SpeculativeVLMPipeline
 
 from _vlm_helpers import CHAT_TEMPLATE, WORDS, pipeline_drafter, random_images
@@ -105,3 +107,14 @@ def test_save_and_load_round_trip(pipe, tmp_path):
     after = loaded(images, PROMPTS, max_new_tokens=12)
     assert after.errors == [None] * 4
     assert all(torch.equal(a, b) for a, b in zip(before.sequences, after.sequences))
+
+
+def test_pixels_without_image_sizes_are_refused_by_name(pipe):
+    """LLaVA-NeXT's image features need each image's original size: without image_sizes the
+    forward failed deep in transformers ("'NoneType' object is not iterable")."""
+    enc = pipe.processor(images=[items()[0]], text=[pipe._prompt(PROMPTS[0], 1)], return_tensors="pt")
+    enc["pixel_values"] = enc["pixel_values"].double()
+    enc.pop("image_sizes")
+    with pytest.raises(ValueError, match="LlavaNextForConditionalGeneration needs image_sizes with pixel_values"):
+        mmspec.speculative_generate(pipe.target, NullDrafter(pipe.target.config.text_config.vocab_size), **enc,
+                                    temperature=0, max_new_tokens=2)

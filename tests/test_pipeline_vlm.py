@@ -135,7 +135,7 @@ def test_bad_input_is_refused_by_name(parts, tmp_path):
         pipe(img[:1], speculative="no")
     with pytest.raises(ValueError, match="batch_size must be None or an int >= 1, got True"):  # read as 1
         pipe(img[:1], batch_size=True)
-    for images in (None, [None], [img[0], None]):  # captioned "an image" from the caption prompt alone
+    for images in (None, [None], [img[0], None], [[]], [()]):  # captioned "an image" from the caption prompt alone
         with pytest.raises(ValueError, match="has neither an image nor a prompt"):
             pipe(images)
     assert pipe([None], ["what colour is the circle ?"], max_new_tokens=2).errors == [None]  # text-only: fine

@@ -293,3 +293,39 @@ def test_custom_generate_with_images_is_refused_by_name_on_qwen2vl(qwen):
     with pytest.raises(ValueError, match="drops image_grid_thw.*mmspec.speculative_generate"):
         qwen.generate(**inp, do_sample=False, max_new_tokens=4, pad_token_id=0, custom_generate=speculative_decoding,
                       drafter=ModelDrafter(text_drafter(qwen), 2))
+
+
+def test_video_prompts_decode_like_generate_with_feature_heads():
+    """The heads' image features were caught on the vision merger, which merges videos too: a
+    prompt with a video and no image handed them 8 'image' features for 0 image tokens (a
+    ValueError). Image features now come from the base output (the images' only)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from conftest import tiny_qwen2vl_config
+    from mmspec.drafters import EagleHead, EagleHeadConfig, EagleHeadDrafter, ViSpecDrafter, ViSpecHead
+
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(tiny_qwen2vl_config(64, 60)).double().eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.cat([torch.randint(3, 50, (2,), generator=g), torch.tensor([58]), torch.full((8,), 61),
+                     torch.tensor([59]), torch.randint(3, 50, (3,), generator=g)]).unsqueeze(0)  # 2 x 4 x 4 video
+    video = dict(pixel_values_videos=torch.randn(32, 12, generator=g, dtype=torch.float64),
+                 video_grid_thw=torch.tensor([[2, 4, 4]]))
+    ref = model.generate(input_ids=ids, **video, do_sample=False, max_new_tokens=8, pad_token_id=0)
+    torch.manual_seed(1)
+    heads = [EagleHeadDrafter(model, EagleHead(EagleHeadConfig.for_target(model)).double(), 3),
+             ViSpecDrafter(model, ViSpecHead(EagleHeadConfig.for_target(model, kind="vispec")).double(), 2)]
+    for drafter in heads:
+        out = mmspec.speculative_generate(model, drafter, ids, temperature=0, max_new_tokens=8, pad_token_id=0, **video)
+        assert torch.equal(out.sequences, ref), type(drafter).__name__
+
+
+def test_pixels_without_their_grid_are_refused_by_name(qwen):
+    """They failed deep in transformers' vision utils ("'NoneType' object has no attribute 'device'")."""
+    ids, mask, pixels, grid = batch([(4, 4)], [2], [3])
+    for inputs, missing in ((dict(pixel_values=pixels), "pixel_values without image_grid_thw"),
+                            (dict(pixel_values=pixels, image_grid_thw=grid, pixel_values_videos=pixels),
+                             "pixel_values_videos without video_grid_thw")):
+        with pytest.raises(ValueError, match=missing):
+            mmspec.speculative_generate(qwen, ModelDrafter(text_drafter(qwen), 2), ids, mask, temperature=0,
+                                        max_new_tokens=2, **inputs)

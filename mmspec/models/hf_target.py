@@ -154,6 +154,12 @@ def check_image_sizes(model, model_inputs: dict) -> None:
     the argument (Pixtral-style towers use it), but the CLIP tower fails deep inside with "object
     has no attribute 'patch_size'", in transformers' `generate` too. Refused by name: LLaVA-1.5's
     processor never produces it (LLaVA-NeXT's does, for its own model class)."""
+    if model_inputs.get("image_sizes") is None and model_inputs.get("pixel_values") is not None:
+        takes = inspect.signature(getattr(getattr(model, "model", model), "get_image_features", lambda: None)).parameters
+        if "image_sizes" in takes and takes["image_sizes"].default is inspect.Parameter.empty:
+            # LLaVA-NeXT: failed deep in transformers ("'NoneType' object is not iterable")
+            raise ValueError(f"{type(model).__name__} needs image_sizes with pixel_values (the original size of each "
+                             "image); pass the processor's outputs together")
     if model_inputs.get("image_sizes") is None or model_type_of(model) != "llava":
         return
     tower = getattr(getattr(model, "model", model), "vision_tower", None)

@@ -15,8 +15,9 @@ image a row's positions run *behind* its token count by a per-row offset, `rope_
   at M-RoPE position p + delta, exactly what the model's `generate` computes.
 - `select_rows` keeps the deltas in step with the batch when rows finish.
 - The image is encoded once, at prefill (the model's own forward merges it); its merged
-  features (the vision tower's merger output) are what `FeatureRequest(image_features=True)`
-  returns, flattened over the images in order ([num_image_tokens, H]).
+  features (the images' entry of the base model's output; never a video's) are what
+  `FeatureRequest(image_features=True)` returns, flattened over the images in order
+  ([num_image_tokens, H]); None for a batch without images.
 
 Limits: only the model types in `MROPE_MODEL_TYPES`; other M-RoPE families (Qwen3-VL,
 GLM-4V, ...) are refused by `HFTarget` rather than run with wrong positions.
@@ -74,6 +75,11 @@ class Qwen2VLSpec(HFSpec):
                 got = getattr(grid, "dtype", type(grid).__name__)
                 raise ValueError(f"{name} must be an integer tensor of (t, h, w) patch counts per image, as the "
                                  f"processor returns it; got {got}: pass a long tensor (e.g. {name}.long())")
+        for pixels, name, grid in (("pixel_values", "image_grid_thw", image_grid),
+                                   ("pixel_values_videos", "video_grid_thw", video_grid)):
+            if model_inputs.get(pixels) is not None and grid is None:  # failed deep in transformers' vision utils
+                raise ValueError(f"{pixels} without {name} (the patch grid of each one); pass the processor's "
+                                 "outputs together")
         if image_grid is None and video_grid is None:
             # Text only: every stream is the logical position, no offset.
             logical = (attention_mask.long().cumsum(1) - 1).clamp_min(0)
@@ -118,4 +124,7 @@ class Qwen2VLSpec(HFSpec):
         return (logical + self.rope_deltas).unsqueeze(0).expand(3, -1, -1)
 
     def image_feature_module(self) -> torch.nn.Module | None:
-        return getattr(self._visual, "merger", None)
+        # None: the base output carries the images' merged features. A hook on the vision merger
+        # also caught a video's (it merges those too): a video-only prompt handed the heads
+        # features of 0 image tokens.
+        return None
