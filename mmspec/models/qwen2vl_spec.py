@@ -15,7 +15,8 @@ image a row's positions run *behind* its token count by a per-row offset, `rope_
   at M-RoPE position p + delta, exactly what the model's `generate` computes.
 - `select_rows` keeps the deltas in step with the batch when rows finish.
 - The image is encoded once, at prefill (the model's own forward merges it); its merged
-  features (the images' entry of the base model's output; never a video's) are what
+  features (the images' entry of the base model's output; never a video's: a hook on the
+  vision merger, which merges videos too, handed the heads a video's features) are what
   `FeatureRequest(image_features=True)` returns, flattened over the images in order
   ([num_image_tokens, H]); None for a batch without images.
 
@@ -57,7 +58,6 @@ class Qwen2VLSpec(HFSpec):
         base = source.model
         self._rope_index = base.get_rope_index
         self._rope_params = set(inspect.signature(base.get_rope_index).parameters)
-        self._visual = getattr(model.model, "visual", None)  # the module tree actually run (hooks)
         cfg = source.config
         self._image_token = getattr(cfg, "image_token_id", None)
         self._video_token = getattr(cfg, "video_token_id", None)
@@ -123,8 +123,3 @@ class Qwen2VLSpec(HFSpec):
         """logical [B, Q] -> (3, B, Q) = logical + rope_deltas in every stream."""
         return (logical + self.rope_deltas).unsqueeze(0).expand(3, -1, -1)
 
-    def image_feature_module(self) -> torch.nn.Module | None:
-        # None: the base output carries the images' merged features. A hook on the vision merger
-        # also caught a video's (it merges those too): a video-only prompt handed the heads
-        # features of 0 image tokens.
-        return None
