@@ -127,8 +127,7 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
     def __init__(self, target, processor, drafter: DrafterComponent | None = None,
                  caption_prompt: str = DEFAULT_CAPTION_PROMPT):
         super().__init__()
-        check_target(target)
-        self.register_modules(target=target, processor=processor, drafter=drafter)  # see __setattr__
+        self.register_modules(target=target, processor=processor, drafter=drafter)  # checked in __setattr__
         self.register_to_config(caption_prompt=caption_prompt)
         self.drafters: dict[str, DrafterComponent] = {}
         self._spec_target = HFTarget(target)
