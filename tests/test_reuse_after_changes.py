@@ -152,3 +152,21 @@ def test_a_shadow_probe_of_a_request_that_raised_does_not_reach_the_next():
     ctrl._shadow_due, ctrl._shadow_rows = True, [(1, 1), (0, 1)]
     ctrl.begin_request()
     assert ctrl._shadow_due is False and ctrl._shadow_rows is None
+
+
+def test_a_static_llamagen_target_follows_its_model_cast_after_wrapping():
+    """LlamaGenSpec kept the dtype it was built with, so a static target reused the previous
+    request's key buffers in the old dtype after `gpt.to(dtype)` (keys cast on write, then
+    attention on mixed dtypes)."""
+    from mmspec.models.llamagen_spec import LlamaGenSpec
+    from mmspec.spec_target import SpecTarget
+
+    from _llamagen_helpers import LABELS, noisy_gpt, plain_greedy, tiny_gpt
+
+    gpt = tiny_gpt(0, dtype=torch.float32)
+    small = noisy_gpt(gpt, 0.3)
+    target, drafter = SpecTarget(LlamaGenSpec(gpt, prepack=False), static=True), ModelDrafter(LlamaGenSpec(small), 3)
+    mmspec.speculative_generate(target, drafter, LABELS.view(-1, 1), temperature=0, max_new_tokens=16)
+    gpt.double(), small.double()
+    out = mmspec.speculative_generate(target, drafter, LABELS.view(-1, 1), temperature=0, max_new_tokens=16)
+    assert torch.equal(out.sequences[:, 1:], plain_greedy(gpt))

@@ -88,6 +88,7 @@ class LlamaGenSpec(ForwardSpec):
     # ---- per request -----------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, model_inputs: dict[str, Any]) -> None:
         super().begin(input_ids, attention_mask, model_inputs)  # refuses extra model inputs
+        self.dtype = self.model.tok_embeddings.weight.dtype  # follows `gpt.to(dtype)` since the wrap (static buffers)
         if not self._fresh:  # a packed view follows changes to its model since the last request
             self.gpt = refresh(self.gpt)
         self._fresh = False
