@@ -28,9 +28,13 @@ rule must see per draft position), warpers with a non-default `filter_value` /
 `min_tokens_to_keep`, warpers under greedy decoding, `output_scores` / `output_logits` /
 `output_attentions` / `output_hidden_states` with `return_dict_in_generate`, `streamer`,
 `assistant_model`, `synced_gpus` (transformers does not hand these three to the callable; they
-are read off the calling `generate`) and `inputs_embeds`; images on Qwen2-VL / Qwen2.5-VL
+are read off the calling `generate`), `inputs_embeds` and `position_ids` other than each row's
+default numbering; images on Qwen2-VL / Qwen2.5-VL
 (generate drops `image_grid_thw` with the pixels, and mmspec's M-RoPE positions need it: call
 `mmspec.speculative_generate` there).
+
+Accepted and not used, because they change no output: `cache_implementation` and
+`compile_config` (the loop keeps its own ragged cache; the tokens are `generate`'s).
 """
 
 from __future__ import annotations

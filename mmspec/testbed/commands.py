@@ -189,7 +189,8 @@ def add_subparsers(subparsers) -> None:
     p.set_defaults(func=cmd_caption_stats)
     p = sub.add_parser("contact-sheet", help="PNG of validation scenes above their VQ reconstructions")
     p.add_argument("--out", default="assets/testbed/contact_sheet.png")
-    p.add_argument("--vq", default="assets/testbed/vq")
+    p.add_argument("--vq", default=os.path.join(os.path.dirname(JUDGE_DIR), "vq"),
+                   help="VQ folder (default: the bundled one)")
     p.add_argument("--n", type=int, default=16)
     p.set_defaults(func=cmd_contact_sheet)
     from mmspec.testbed.mar_train import add_mar_command
