@@ -33,7 +33,7 @@ Limits: one decoder layer (EAGLE-1/2; EAGLE-3's multi-layer fusion is not here);
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,61 +55,10 @@ from mmspec.tree import chain_parents
 from mmspec.types import CommitInfo, Draft, FeatureRequest, TargetOutput, TreeConfig, check_tree
 from mmspec.versions import version_of
 
+from .head_config import EagleHeadConfig
+
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "drafter.safetensors"
-
-
-@dataclass(frozen=True)
-class EagleHeadConfig:
-    """Shape of a draft head and what target it was built for (checked when it is attached)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    image_token_id: int | None = None
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    fc_bias: bool = True
-    kind: str = "eagle"  # "eagle" | "vispec"
-    num_q: int = 2  # ViSpec: learned image queries (num_q - 1 image tokens + 1 global vector)
-    target_model_type: str = ""
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} must divide into num_attention_heads {self.num_attention_heads}, "
-                f"which must divide into num_key_value_heads {self.num_key_value_heads}"
-            )
-        if self.kind not in ("eagle", "vispec"):
-            raise ValueError(f"EagleHeadConfig.kind must be 'eagle' or 'vispec', got {self.kind!r}")
-        if self.num_q < 2:
-            raise ValueError(f"EagleHeadConfig.num_q must be >= 2 (image tokens + a global vector), got {self.num_q}")
-
-    @classmethod
-    def for_target(cls, model, **overrides) -> "EagleHeadConfig":
-        """A head at the target's width (heads and MLP size from its text config; a config without
-        `intermediate_size`, GPT-2's, gives `n_inner` or 4 x hidden). `overrides` replace fields,
-        and a field the config lacks must be given there (ValueError naming it otherwise)."""
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        image_token = getattr(model.config, "image_token_id", getattr(model.config, "image_token_index", None))
-
-        def read(name):
-            if getattr(text, name, None) is None and name not in overrides:
-                raise ValueError(f"EagleHeadConfig.for_target: the target's config ({type(text).__name__}) has no "
-                                 f"{name!r}; pass {name}=... as an override")
-            return overrides.get(name, getattr(text, name, None))
-
-        width, heads = read("hidden_size"), read("num_attention_heads")
-        mlp = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * int(width)
-        values = dict(
-            hidden_size=int(width), intermediate_size=int(mlp),
-            num_attention_heads=heads, num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            vocab_size=read("vocab_size"), image_token_id=None if image_token is None else int(image_token),
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", None) or 1e-6), target_model_type=str(model.config.model_type),
-        )
-        return cls(**{**values, **overrides})
 
 
 class RMSNorm(nn.Module):
@@ -300,6 +249,10 @@ def head_class(kind: str) -> type:
         from .vispec import ViSpecHead
 
         return ViSpecHead
+    if kind == "flash":
+        from .flash import FlashHead
+
+        return FlashHead
     return EagleHead
 
 
@@ -319,9 +272,14 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
     """Drafts with an `EagleHead` over `target`'s features (any target with `supports_features`
     whose spec exposes `embed` / `head`). Build it once per target and reuse it."""
 
-    def __init__(self, target, head: EagleHead, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None,
+    def __init__(self, target, head: EagleHead, num_draft_tokens: int | str | None = None, tree: TreeConfig | None = None,
                  max_draft_tokens: int | None = None):
+        """`num_draft_tokens`: a chain's length (default 4) or "auto"; with `tree` leave it out."""
         num_draft_tokens = plain_number(num_draft_tokens)
+        if tree is not None and num_draft_tokens not in (None, "auto"):  # ("auto" is refused by name below)
+            raise ValueError(f"num_draft_tokens={num_draft_tokens!r} has no effect with tree= (a tree drafts "
+                             "tree.num_nodes nodes; TreeConfig(num_nodes='auto') sizes it per request): leave it out")
+        num_draft_tokens = 4 if num_draft_tokens is None else num_draft_tokens
         max_draft_tokens = check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6, tree=tree)
         # "auto" (chains): the loop picks K in 0..max_draft_tokens before every step from measured
         # costs and acceptance (mmspec/adaptive.py); K = 0 defers the head's catch-up. A tree with
@@ -340,6 +298,9 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         self.spec, self.head, self.tree = spec, head, tree
         self.num_draft_tokens = num_draft_tokens
         self.vocab_size = spec.vocab_size
+        if tree is not None and tree.top_k > self.vocab_size:
+            raise ValueError(f"TreeConfig.top_k={tree.top_k} exceeds the target's vocabulary of {self.vocab_size} "
+                             f"tokens; use top_k <= {self.vocab_size}")
         check_head_fits(head.config, target, spec)
         self.image_token_id = head.config.image_token_id
         self.features = FeatureRequest(last_hidden=True, image_features=self.image_token_id is not None)
@@ -429,6 +390,11 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         logits = self.logits(feats)
         if self.tree is not None:
             return self._propose_tree(feats, logits, sampling)
+        return self._propose_chain(feats, logits, sampling, generator)
+
+    def _propose_chain(self, feats, logits, sampling: SamplingConfig, generator) -> Draft:
+        """A chain of `self.k` tokens, one head forward per token after the first."""
+        B, device = feats.shape[0], feats.device
         K = self.k
         tokens, probs = [], []
         ended = self._stop.begin(B, device)
@@ -526,8 +492,11 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         """`chain`: the tokens extend the whole uncommitted region as a chain (a chain step, a
         catch-up), so a step of equal-length unpadded rows runs without a mask; `vis` may then
         be None (the chain is all the plan needs)."""
+        return self._decode_new(self._fuse(self.embed(tokens), hidden.to(self._dtype)), depth, vis, uncommitted, chain)
+
+    def _decode_new(self, x, depth, vis, uncommitted, chain=False):
+        """The head over new inputs `x` [B, Q, H] placed after the committed prefix (see `_forward`)."""
         attention = self.kv.plan(depth, vis, uncommitted, sees_region=chain)
-        x = self._fuse(self.embed(tokens), hidden.to(self._dtype))
         self.draft_calls += 1
         visible = None if attention.full else attention.dense()
         bound = None if self._shift_max is None else self.kv.kv_len - 1 + self._shift_max

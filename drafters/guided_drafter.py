@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mmspec.sampling import plain_number
 from mmspec.spec import SpecOutput, SpecRunner
 from mmspec.types import TreeConfig
 
@@ -108,10 +109,13 @@ class GuidedModelDrafter(ModelDrafter):
     `GuidedTarget` calls it), even where the drafter's prompt prefill waits for its first
     drafting step."""
 
-    def __init__(self, model, guidance_scale, num_draft_tokens: int | str = 4, tree: TreeConfig | None = None, *,
+    def __init__(self, model, guidance_scale, num_draft_tokens: int | str | None = None, tree: TreeConfig | None = None, *,
                  make_uncond: Callable, max_draft_tokens: int | None = None, prepack="auto"):
-        super().__init__(model, None if tree is not None else num_draft_tokens, tree, max_draft_tokens=max_draft_tokens,
-                         prepack=prepack)
+        # (None: 4 for a chain; beside a tree ModelDrafter refuses any value by name)
+        if num_draft_tokens is None and tree is None:
+            num_draft_tokens = 4
+        super().__init__(model, num_draft_tokens, tree, max_draft_tokens=max_draft_tokens, prepack=prepack)
+        guidance_scale = plain_number(guidance_scale)  # (np.float32(2.0) means 2.0)
         if callable(guidance_scale):
             schedule = guidance_scale
         else:

@@ -94,7 +94,8 @@ class ModelDrafter(DraftsWithPositionNoise):
     tree: with "auto", plain steps pile up pending tokens, so the catch-up has no bound.
 
     `attention` ("auto", "torch"): on CUDA, which attention backends the eager forwards use
-    ("auto": measured on fresh shapes, mmspec/attention_choice.py; "torch": torch's choice)."""
+    ("auto": measured on fresh shapes, mmspec/attention_choice.py; "torch": torch's choice, and on
+    CPU no mmspec CPU attention either, mmspec/cpu_attention.py)."""
 
     def __init__(
         self,

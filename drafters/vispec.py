@@ -184,7 +184,8 @@ class ViSpecDrafter(EagleHeadDrafter):
     """`EagleHeadDrafter` with a `ViSpecHead`: the prompt's image spans are compressed at the
     first propose, and each row's global image vector is fused into every later input."""
 
-    def __init__(self, target, head: ViSpecHead, num_draft_tokens: int | str = 4, tree=None, max_draft_tokens: int | None = None):
+    def __init__(self, target, head: ViSpecHead, num_draft_tokens: int | str | None = None, tree=None,
+                 max_draft_tokens: int | None = None):
         if not isinstance(head, ViSpecHead):
             raise TypeError(f"ViSpecDrafter needs a ViSpecHead, got {type(head).__name__}")
         super().__init__(target, head, num_draft_tokens, tree, max_draft_tokens)

@@ -54,8 +54,14 @@ class GuidedTarget:
     ):
         from mmspec.engine import as_target  # the engine wraps bare HF models the same way
 
+        from mmspec.sampling import plain_number
+
         if (uncond_input_ids is None) == (make_uncond is None):
             raise ValueError("GuidedTarget needs exactly one of uncond_input_ids or make_uncond")
+        if uncond_attention_mask is not None and uncond_input_ids is None:  # make_uncond returns its own mask
+            raise ValueError("uncond_attention_mask goes with uncond_input_ids; make_uncond returns the "
+                             "unconditional mask itself")
+        guidance_scale, pad_token_id = plain_number(guidance_scale), plain_number(pad_token_id)  # (np.float32(2.0))
         if callable(guidance_scale):
             self.schedule = guidance_scale
         else:
@@ -67,6 +73,9 @@ class GuidedTarget:
             self.schedule = lambda index: scale
         self.target = as_target(target)
         self.vocab_size = self.target.vocab_size
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id must be a token id in [0, {self.vocab_size}) (it pads the shorter of the "
+                             f"conditional and unconditional prompts), got {pad_token_id!r}")
         # A position table (GPT-2's) bounds the conditional rows through the loop's own check; the
         # unconditional rows, whose prompts may be longer, are checked at prefill.
         self.max_positions = getattr(self.target, "max_positions", None)

@@ -118,10 +118,12 @@ class SpecRunner:
     request; `compile` (torch.compile keywords, mmspec/compiled.py) then wraps the spec's
     step forward in `torch.compile(..., dynamic=False)`. Prefill stays eager."""
 
-    def __init__(self, spec: ForwardSpec, *, static: bool = False, compile: dict[str, Any] | None = None,
+    def __init__(self, spec: ForwardSpec, *, static: bool | None = None, compile: dict[str, Any] | None = None,
                  attention: str = "auto"):
         from mmspec.attention_choice import check_mode
+        from mmspec.compiled import static_and_compile
 
+        static, compile = static_and_compile(static, compile)  # as SpecTarget takes them (True, "default", a dict)
         self.spec = spec
         # CUDA eager forwards (prefill and steps): the attention backends measured fastest on fresh
         # shapes (mmspec/attention_choice.py), resolved at prefill; None leaves torch's choice alone.

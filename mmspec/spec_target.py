@@ -57,7 +57,8 @@ class SpecTarget:
     `attention` ("auto" or "torch"): on CUDA, "auto" runs the eager step forwards under the
     attention backends measured fastest on fresh shapes (mmspec/attention_choice.py: cuDNN
     attention builds a plan per shape, and nearly every verify has a new one); "torch" leaves
-    torch's backend choice alone. Nothing changes on CPU."""
+    torch's backend choice alone. On CPU, "torch" also turns off mmspec's own CPU attention
+    choice (mmspec/cpu_attention.py)."""
 
     supports_features = True
 

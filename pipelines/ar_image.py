@@ -50,6 +50,8 @@ from diffusers.utils import BaseOutput, is_accelerate_available
 
 import mmspec
 from mmspec.acceptance import RULES, get_rule, is_position_keyed
+from mmspec.acceptance.lantern import lantern_k  # noqa: F401 (LANTERN's k for a codebook; imported from here too)
+from mmspec.engine import resolve_rule
 from mmspec.devices import check_dtype
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
 from mmspec.models.llamagen_gpt import LlamaGenGPT
@@ -285,13 +287,17 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             K = settings["num_draft_tokens"]
             if K != "auto" and (isinstance(K, bool) or not isinstance(K, int) or K < 0):
                 raise ValueError(f"drafter_config['num_draft_tokens'] must be an int >= 0 or 'auto', got {K!r}")
-            spec = LlamaGenSpec(d, prepack=self.prepack)
+            if tree and K != DEFAULT_DRAFTER_CONFIG["num_draft_tokens"]:
+                raise ValueError(f"drafter_config['num_draft_tokens']={K!r} has no effect beside a 'tree' (it drafts "
+                                 "tree num_nodes): leave it at its default")
+            spec, what = LlamaGenSpec(d, prepack=self.prepack), f"tree={tree}" if tree else f"K={K}"
             if guided and d.args.has_null_class:
-                drafter = GuidedModelDrafter(spec, schedule, K, tree, make_uncond=null_class_uncond(d.args.num_classes))
-                name = f"GuidedModelDrafter(K={K}, tree={tree})"
+                drafter = GuidedModelDrafter(spec, schedule, None if tree else K, tree,
+                                             make_uncond=null_class_uncond(d.args.num_classes))
+                name = f"GuidedModelDrafter({what})"
             else:
                 drafter = ModelDrafter(spec, tree=tree) if tree else ModelDrafter(spec, K)
-                name = f"ModelDrafter(K={K}, tree={tree})"
+                name = f"ModelDrafter({what})"
             if drafter.controller is not None:
                 # A drafter is built per call (its guidance is the call's); what K = "auto" (or a
                 # tree's num_nodes="auto") has learnt carries over from call to call, per drafter
@@ -516,15 +522,14 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         kwargs = dict(acceptance_kwargs or {}) if isinstance(acceptance, str) else None
         if acceptance == "lantern" and "k" not in kwargs:
             kwargs["k"] = lantern_k(V)
-        if not speculative and not is_position_keyed(acceptance):
+        # Built and checked once, before any work (its greedy form at temperature 0); the object
+        # runs, and its `lossless` is what the stats report, a stopped run's too.
+        rule = resolve_rule(acceptance, kwargs, SamplingConfig(temperature, top_k, top_p), target, drafter)
+        if not speculative and not is_position_keyed(rule):
             # Plain decoding samples the target exactly; "invariant" keeps its position-keyed
-            # Gumbel-max sampling, so speculative and plain images are the same for a seed. The
-            # rule is still built and checked, so that a call that fails with speculative=True
-            # (a greedy rule at temperature 1, bad rule arguments) fails the same way without it.
-            from mmspec.engine import resolve_rule
-
-            resolve_rule(acceptance, kwargs, SamplingConfig(temperature, top_k, top_p), target, drafter)
-            acceptance, kwargs = "exact", None
+            # Gumbel-max sampling, so speculative and plain images are the same for a seed. A call
+            # that fails with speculative=True (a greedy rule at temperature 1) fails without it too.
+            rule = get_rule("exact")
         self._interrupt = False
 
         def on_step(step, tokens, counts):
@@ -540,14 +545,13 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             watch = _Watch(target, B, T, on_step if callback_on_step_end is not None else None, bar)
             try:
                 out = mmspec.speculative_generate(
-                    watch, drafter, labels.view(B, 1), acceptance=acceptance, acceptance_kwargs=kwargs or None,
+                    watch, drafter, labels.view(B, 1), acceptance=rule,
                     max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
                 )
                 tokens, stats, interrupted = out.sequences[:, 1:].cpu(), out.stats, False
             except _Interrupted:
                 # a stop after the last token leaves nothing undecoded: a complete run, not flagged
                 tokens, interrupted = watch.tokens, any(c < T for c in watch.count)
-                rule = RULES.get(acceptance) if isinstance(acceptance, str) else acceptance
                 stats = SpecStats(target_calls=watch.steps, prefill_calls=1, new_tokens=list(watch.count),
                                   row_steps=watch.row_steps, emitted_tokens=watch.emitted, kernels=watch.kernels,
                                   lossless=bool(getattr(rule, "lossless", True)))
@@ -577,15 +581,6 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             return arr if bool(complete.all()) else [a if c else None for a, c in zip(arr, complete.tolist())]
         pil = self.numpy_to_pil(arr)
         return [p if c else None for p, c in zip(pil, complete.tolist())]
-
-
-def lantern_k(codebook_size: int) -> int:
-    """LANTERN's default neighbourhood for a codebook of V codes: its k = 1000 latent neighbours
-    of LlamaGen's 16384 codes (6.1%), kept as a fraction (k = 1000 for V = 16384, 31 for the
-    testbed's 512). Taken whole instead (min(1000, V - 1) = 511 of 512), delta = 0.1 lets a
-    draft borrow mass from codes that look nothing like it and the testbed's images lost their
-    class (judge 22% vs 70% plain, benchmarks/results/imagegen_cpu.json of the earlier run)."""
-    return max(1, min(codebook_size - 1, round(codebook_size * 1000 / 16384)))
 
 
 def _check_component_class(folder: Path, name: str) -> None:

@@ -96,7 +96,10 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         default 3 steps a round, or "auto": per request, K = 0 (plain sampling) to 4 chosen by
         measured speed at each batch size, learned across the pipeline's calls (separately per
         num_iter, guidance, schedule and temperature);
-        `stats.draft_steps` says which; `pipelines/cspd_self.py`)."""
+        `stats.draft_steps` says which; `pipelines/cspd_self.py`). With draft="self" the residual's
+        target proposals come from a `ContinuousAcceptance` object's `tries_per_block` / `max_tries`
+        when one is given, and from the sampler's own 4 a round / 256 in all for the name
+        "continuous" (both exact; they differ in speed and in the draws a seed gives)."""
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
             raise TypeError(f"speculative must be True or False, got {speculative!r}")
         if not isinstance(return_dict, bool):  # diffusers reads any truthy value as True

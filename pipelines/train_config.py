@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from mmspec.devices import check_device
 
-KINDS = ("text", "eagle", "vispec")
+KINDS = ("text", "eagle", "vispec", "flash")
 LR_SCHEDULES = ("constant", "cosine")
 
 
@@ -41,9 +41,11 @@ HELP = {
     "lr_schedule": "constant, or cosine (a half cosine toward 0, reached at --steps) (default %(default)s)",
     "warmup_steps": "linear warm-up steps before the schedule (default %(default)s)",
     "ttt_steps": "extra unrolled forwards on the head's own features, training-time test (default %(default)s)",
-    "feature_weight": "eagle / vispec: weight of the SmoothL1 loss on the target's features (default %(default)s)",
-    "ce_weight": "eagle / vispec: weight of the cross-entropy against the target's tokens (default %(default)s; a text drafter trains on the cross-entropy alone)",
+    "feature_weight": "eagle / vispec / flash: weight of the SmoothL1 loss on the target's features (default %(default)s)",
+    "ce_weight": "eagle / vispec / flash: weight of the cross-entropy against the target's tokens (default %(default)s; a text drafter trains on the cross-entropy alone)",
     "text_layers": "decoder layers of the text drafter's small LM (default %(default)s)",
+    "slots": "flash: tokens the head drafts per forward, the most a step drafts (default %(default)s)",
+    "compress_len": "flash: tokens each image span is pooled into, at most its image tokens (default %(default)s)",
     "num_draft_tokens": "chain length K saved with the drafter, or auto (chosen per request by measured speed) "
                         "(default %(default)s)",
     "tree_depth": "> 0: save the drafter with a dynamic tree of this depth (default %(default)s: chains)",
@@ -74,6 +76,8 @@ class TrainDrafterConfig:
     feature_weight: float = 1.0
     ce_weight: float = 0.1
     text_layers: int = 1  # text drafter: decoder layers of the small LM
+    slots: int = 4  # flash: tokens drafted per head forward
+    compress_len: int = 8  # flash: pooled tokens per image span
     num_draft_tokens: int | str = 4  # or "auto"
     tree_depth: int = 0  # > 0: save the drafter with a dynamic tree of this depth
     tree_top_k: int = 4
@@ -87,13 +91,20 @@ class TrainDrafterConfig:
     def __post_init__(self) -> None:
         if self.drafter not in KINDS:
             raise ValueError(f"--drafter must be one of {KINDS}, got {self.drafter!r}")
-        for name in ("num_images", "answer_tokens", "steps", "batch_size", "grad_accum", "save_every", "text_layers"):
+        for name in ("num_images", "answer_tokens", "steps", "batch_size", "grad_accum", "save_every", "text_layers",
+                     "slots", "compress_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         k = self.num_draft_tokens  # checked when the drafter was saved: after every training step
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {k!r}")
+        if self.tree_depth and k != 4:  # (4: the default) a tree drafts tree_num_nodes
+            raise ValueError(f"--num-draft-tokens {k} has no effect with --tree-depth {self.tree_depth} (a tree drafts "
+                             "--tree-num-nodes nodes): leave it out")
+        if self.drafter == "flash" and (self.tree_depth or (k != "auto" and k > self.slots)):
+            raise ValueError(f"a flash drafter drafts chains of at most --slots={self.slots} tokens: got "
+                             f"--num-draft-tokens {k} and --tree-depth {self.tree_depth}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.warmup_steps < self.steps:

@@ -232,7 +232,7 @@ def soft_ce(student_logits, teacher_logits):
 
 
 def head_loss(head, lm_head, ids, mask, embeds, hidden, logits, image_token, config: TrainDrafterConfig):
-    """Feature + CE loss of an EAGLE / ViSpec head, with `ttt_steps` unrolled forwards."""
+    """Feature + CE loss of an EAGLE / ViSpec / FLASH head (every slot), with `ttt_steps` unrolled forwards."""
     dtype = next(head.parameters()).dtype
     nxt = ids[:, 1:]
     pair_mask = mask[:, :-1] * mask[:, 1:]
@@ -251,7 +251,10 @@ def head_loss(head, lm_head, ids, mask, embeds, hidden, logits, image_token, con
         loss = ((config.feature_weight * feat + config.ce_weight * ce) * valid).sum() / valid.sum().clamp_min(1)
         total = total + loss
         parts.append(float(loss.detach()))
-        # Next unroll: the head reads its own predicted features where it made one.
+        # Next unroll: the head reads its own predicted features where it made one (a FLASH
+        # head's first slot: its outputs are laid out slot by slot, slot 0 first).
+        n = f.shape[1] // getattr(head.config, "slots", 1)
+        f, src, valid = f[:, :n], src[:, :n], valid[:, :n]
         pred = h_in.clone()
         ok = valid & (src + 1 < h_in.shape[1])
         pred[rows.expand_as(src)[ok], (src + 1)[ok]] = f[ok].to(pred.dtype)
@@ -302,7 +305,8 @@ def new_drafter(pipe, config: TrainDrafterConfig):
             lm.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight.float())
             lm.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight.float())
         return lm
-    return head_class(config.drafter)(EagleHeadConfig.for_target(target, kind=config.drafter)).float()
+    shape = dict(slots=config.slots, compress_len=config.compress_len) if config.drafter == "flash" else {}
+    return head_class(config.drafter)(EagleHeadConfig.for_target(target, kind=config.drafter, **shape)).float()
 
 
 def component(drafter, config: TrainDrafterConfig):
@@ -311,9 +315,10 @@ def component(drafter, config: TrainDrafterConfig):
     from .vlm_drafter import DrafterComponent
 
     tree = TreeConfig(config.tree_depth, config.tree_top_k, config.tree_num_nodes) if config.tree_depth else None
+    K = None if tree else config.num_draft_tokens  # (a tree drafts its num_nodes; the config refuses K beside it)
     if config.drafter == "text":
-        return DrafterComponent.from_lm(drafter, config.num_draft_tokens, tree)
-    return DrafterComponent.from_head(drafter, config.num_draft_tokens, tree)
+        return DrafterComponent.from_lm(drafter, K, tree)
+    return DrafterComponent.from_head(drafter, K, tree)
 
 
 def step_loss(pipe, drafter, batch, config: TrainDrafterConfig):

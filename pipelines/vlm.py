@@ -42,6 +42,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from mmspec.devices import check_dtype
+from mmspec.acceptance import get_rule
 from mmspec.engine import resolve_rule, speculative_generate
 from mmspec.sampling import SamplingConfig, check_generator, plain_number
 from mmspec.models.hf_target import HFTarget
@@ -371,6 +372,7 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
             prompts = [prompts] * n
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} images; give one prompt per image (None = caption)")
+        batch_size = plain_number(batch_size)  # (np.int64(2) means 2)
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be None or an int >= 1, got {batch_size!r}")
         if not isinstance(speculative, bool):  # a string such as "no" would read as True
@@ -387,6 +389,8 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         check_generator(generator)
         # Built once here (a bad rule is refused before any work) and passed on to every batch.
         acceptance = resolve_rule(acceptance, None, SamplingConfig(temperature, top_k, top_p), self._spec_target, drafter)
+        if not speculative and not getattr(acceptance, "position_keyed", False):
+            acceptance = get_rule("exact")  # plain decoding samples the target exactly, whatever the rule
         texts: list[str | None] = [None] * n
         seqs: list[torch.Tensor | None] = [None] * n
         errors: list[str | None] = [None] * n

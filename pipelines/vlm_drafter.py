@@ -5,7 +5,9 @@ pipeline component) holds the trainable part of one of mmspec's VLM drafters:
 
 - `kind="text"`: a small causal LM sharing the target's tokenizer (`ModelDrafter`);
 - `kind="eagle"`: an EAGLE-2 head (`EagleHeadDrafter`; embedding and LM head are the target's);
-- `kind="vispec"`: an EAGLE head with ViSpec's vision adaptor (`ViSpecDrafter`).
+- `kind="vispec"`: an EAGLE head with ViSpec's vision adaptor (`ViSpecDrafter`);
+- `kind="flash"`: FLASH's semi-autoregressive head over pooled image latents (`FlashDrafter`;
+  chains of at most its `slots` tokens, no trees).
 
 `num_draft_tokens` is a fixed chain length or `"auto"` (the loop picks K in
 0..`max_draft_tokens`, default 8 for a text drafter (`ModelDrafter`'s) and 6 for a head, per step from measured costs and acceptance; mmspec/adaptive.py;
@@ -30,7 +32,7 @@ from mmspec.drafters.model_drafter import check_max_draft_tokens
 from mmspec.models.strict_load import strict_from_pretrained
 from mmspec.types import TreeConfig
 
-KINDS = ("text", "eagle", "vispec")
+KINDS = ("text", "eagle", "vispec", "flash")
 
 
 class DrafterComponent(ModelMixin, ConfigMixin):
@@ -52,10 +54,22 @@ class DrafterComponent(ModelMixin, ConfigMixin):
                              "tree_depth is 0 (a chain drafter); set tree_depth > 0 for a tree drafter, or leave them 0")
         if num_draft_tokens == "auto" and tree_depth:
             raise ValueError("num_draft_tokens='auto' is for chains; a tree drafter (tree_depth > 0) drafts tree_num_nodes")
+        if tree_depth and num_draft_tokens != 4:  # (4: the default, saved with every drafter)
+            raise ValueError(f"num_draft_tokens={num_draft_tokens!r} has no effect on a tree drafter (tree_depth > 0 "
+                             "drafts tree_num_nodes nodes): leave it at its default")
+        if kind != "text" and lm_config:
+            raise ValueError(f"lm_config describes a text drafter's LM; a {kind} drafter takes head_config")
         if num_draft_tokens != "auto" and (isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int)
                                            or num_draft_tokens < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
         check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6, tree=tree_depth or None)
+        if kind == "flash":  # FlashDrafter's limits, at construction (before the weights load)
+            slots = (head_config or {}).get("slots", 1)
+            most = max_draft_tokens if num_draft_tokens == "auto" else num_draft_tokens
+            if tree_depth or (most is not None and most > slots):
+                raise ValueError(f"a flash drafter drafts chains of at most its head's slots={slots} tokens; got "
+                                 f"num_draft_tokens={num_draft_tokens!r}, max_draft_tokens={max_draft_tokens!r}, "
+                                 f"tree_depth={tree_depth}")
         if kind == "text":
             from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -76,21 +90,22 @@ class DrafterComponent(ModelMixin, ConfigMixin):
         return strict_from_pretrained(super().from_pretrained, cls.__name__, pretrained_model_name_or_path, *args, **kwargs)
 
     @classmethod
-    def from_head(cls, head, num_draft_tokens: int = 4, tree: TreeConfig | None = None) -> "DrafterComponent":
+    def from_head(cls, head, num_draft_tokens: int | str | None = None, tree: TreeConfig | None = None) -> "DrafterComponent":
+        """A component of a trained head: a chain of `num_draft_tokens` (default 4) or `tree`."""
         from dataclasses import asdict
 
-        comp = cls(kind=head.config.kind, head_config=asdict(head.config), num_draft_tokens=num_draft_tokens,
-                   **_tree_fields(tree))
+        comp = cls(kind=head.config.kind, head_config=asdict(head.config),
+                   num_draft_tokens=_chain_length(num_draft_tokens, tree), **_tree_fields(tree))
         comp.head.load_state_dict(head.state_dict())
         return torch.nn.Module.to(comp, next(head.parameters()).dtype)
 
     @classmethod
-    def from_lm(cls, lm, num_draft_tokens: int = 4, tree: TreeConfig | None = None) -> "DrafterComponent":
+    def from_lm(cls, lm, num_draft_tokens: int | str | None = None, tree: TreeConfig | None = None) -> "DrafterComponent":
         cfg = lm.config.to_dict()
         keep = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("architectures", "dtype",
                                                                                    "torch_dtype", "transformers_version")}
         keep["tie_word_embeddings"] = False  # saved as two tensors (safetensors refuses shared ones)
-        comp = cls(kind="text", lm_config=keep, num_draft_tokens=num_draft_tokens, **_tree_fields(tree))
+        comp = cls(kind="text", lm_config=keep, num_draft_tokens=_chain_length(num_draft_tokens, tree), **_tree_fields(tree))
         comp.lm.load_state_dict(lm.state_dict())
         return torch.nn.Module.to(comp, next(lm.parameters()).dtype)
 
@@ -109,8 +124,18 @@ class DrafterComponent(ModelMixin, ConfigMixin):
             if tree:
                 return ModelDrafter(self.lm.eval(), tree=tree)
             return ModelDrafter(self.lm.eval(), K, max_draft_tokens=self.config.max_draft_tokens)
-        cls = ViSpecDrafter if self.config.kind == "vispec" else EagleHeadDrafter
-        return cls(target, self.head.eval(), K, tree=tree, max_draft_tokens=self.config.max_draft_tokens)
+        from mmspec.drafters.flash import FlashDrafter
+
+        cls = {"vispec": ViSpecDrafter, "flash": FlashDrafter}.get(self.config.kind, EagleHeadDrafter)
+        return cls(target, self.head.eval(), None if tree else K, tree=tree, max_draft_tokens=self.config.max_draft_tokens)
+
+
+def _chain_length(num_draft_tokens, tree) -> int | str:
+    """The saved chain length: 4 unless given; with a tree it is not used and may not be given."""
+    if tree is not None and num_draft_tokens is not None:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens!r} has no effect with tree= (a tree drafts "
+                         "tree.num_nodes nodes): leave it out")
+    return 4 if num_draft_tokens is None else num_draft_tokens
 
 
 def _tree_fields(tree: TreeConfig | None) -> dict:

@@ -28,7 +28,7 @@ def make(model, kind, tree, K=3, seed=0):
     if kind == "vispec":  # a non-trivial global fusion (the identity init would hide the adaptor)
         with torch.no_grad():
             head.img_fc.weight[:, 32:].normal_(0, 0.3)
-    return drafter_cls(model, head, K, tree=tree)
+    return drafter_cls(model, head, None if tree else K, tree=tree)
 
 
 @pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
@@ -66,7 +66,7 @@ def test_eagle_head_on_a_text_lm(target, tree):
     ids, mask = left_padded([7, 3, 5, 6])
     ref = target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=10, pad_token_id=0,
                           eos_token_id=None)
-    drafter = EagleHeadDrafter(target, distilled_head(target, "eagle", ids, mask), 3, tree=tree)
+    drafter = EagleHeadDrafter(target, distilled_head(target, "eagle", ids, mask), None if tree else 3, tree=tree)
     assert drafter.features == mmspec.FeatureRequest(last_hidden=True)  # no image features for a text LM
     out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=10)
     assert torch.equal(out.sequences, ref)
@@ -201,7 +201,7 @@ def test_eagle_exact_sampling_matches_enumerated_joint(tree):
     prompt = torch.tensor([[1, 5, 3, 6]])
     expected = joint_23(model, prompt, mmspec.SamplingConfig(1.0))
     hotter = joint_23(model, prompt, mmspec.SamplingConfig(1.6))
-    out = mmspec.speculative_generate(model, EagleHeadDrafter(model, head, 3, tree=tree), prompt.expand(SAMPLES, -1),
+    out = mmspec.speculative_generate(model, EagleHeadDrafter(model, head, None if tree else 3, tree=tree), prompt.expand(SAMPLES, -1),
                                       acceptance="exact", temperature=1.0, max_new_tokens=3,
                                       generator=torch.Generator().manual_seed(21))
     new = out.sequences[:, 4:]
@@ -429,6 +429,13 @@ def test_auto_draft_length_refusals(llava):
     head = EagleHead(EagleHeadConfig.for_target(model, kind="eagle")).double()
     with pytest.raises(ValueError, match="'auto' is for chains"):
         EagleHeadDrafter(model, head, "auto", tree=TREE)
+    with pytest.raises(ValueError, match="num_draft_tokens=3 has no effect with tree="):  # it was dropped silently
+        EagleHeadDrafter(model, head, 3, tree=TREE)
+    with pytest.raises(ValueError, match="num_draft_tokens=3 has no effect with tree="):
+        ViSpecDrafter(model, ViSpecHead(EagleHeadConfig.for_target(model, kind="vispec")).double(), 3, tree=TREE)
+    with pytest.raises(ValueError, match="TreeConfig.top_k=999 exceeds the target's vocabulary"):  # was an index error
+        EagleHeadDrafter(model, head, tree=mmspec.TreeConfig(depth=2, top_k=999, num_nodes=4))
+    assert EagleHeadDrafter(model, head).num_draft_tokens == 4  # the chain default
     with pytest.raises(ValueError, match="num_draft_tokens must be"):
         EagleHeadDrafter(model, head, "sometimes")
     with pytest.raises(ValueError, match="max_draft_tokens"):

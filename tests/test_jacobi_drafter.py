@@ -55,7 +55,7 @@ def test_guided_model_drafter_greedy_equals_plain_and_drafts_under_guidance(tree
     scale, schedule = cfg
     ref = plain_greedy(gpt, scale=scale, schedule=schedule)
     target = llamagen_target(gpt, scale, cfg_schedule=schedule, num_tokens=T)
-    guided = GuidedModelDrafter(LlamaGenSpec(gpt), cfg_schedule_fn(schedule, scale, T), 3, tree,
+    guided = GuidedModelDrafter(LlamaGenSpec(gpt), cfg_schedule_fn(schedule, scale, T), None if tree else 3, tree,
                                 make_uncond=null_class_uncond(NUM_CLASSES))
     tokens, stats = run(target, guided, temperature=0)
     assert torch.equal(tokens, ref)

@@ -38,7 +38,7 @@ def drafters(model):
     tree = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=6)
     return {
         "text": DrafterComponent.from_lm(lm, 3),
-        "eagle": DrafterComponent.from_head(EagleHead(EagleHeadConfig.for_target(model)).double(), 3, tree),
+        "eagle": DrafterComponent.from_head(EagleHead(EagleHeadConfig.for_target(model)).double(), tree=tree),
         "vispec": DrafterComponent.from_head(ViSpecHead(EagleHeadConfig.for_target(model, kind="vispec")).double(), 2),
     }
 
@@ -277,7 +277,7 @@ def test_auto_tree_size_drafters_save_load_and_answer_like_plain(parts, tmp_path
     largest size or 'auto' without a tree is refused by name."""
     model, processor = parts
     head = EagleHead(EagleHeadConfig.for_target(model)).double()
-    comp = DrafterComponent.from_head(head, 3, mmspec.TreeConfig(depth=3, top_k=2, num_nodes="auto"))
+    comp = DrafterComponent.from_head(head, tree=mmspec.TreeConfig(depth=3, top_k=2, num_nodes="auto"))
     assert comp.config.tree_num_nodes == "auto" and comp.tree.adaptive and comp.tree.num_nodes == 10
     pipe = SpeculativeVLMPipeline(model, processor)
     pipe.add_drafter("eagle-tree-auto", comp)
@@ -292,7 +292,7 @@ def test_auto_tree_size_drafters_save_load_and_answer_like_plain(parts, tmp_path
     assert again.drafter.config.tree_num_nodes == "auto" and again.drafter.tree.adaptive
     assert again(images, PROMPTS, max_new_tokens=12).texts == plain.texts
     with pytest.raises(ValueError, match="another largest"):
-        DrafterComponent.from_head(head, 3, mmspec.TreeConfig(depth=3, top_k=2, num_nodes=8, adaptive=True))
+        DrafterComponent.from_head(head, tree=mmspec.TreeConfig(depth=3, top_k=2, num_nodes=8, adaptive=True))
     with pytest.raises(ValueError, match="needs tree_depth"):
         DrafterComponent(kind="eagle", head_config=comp.config.head_config, tree_num_nodes="auto")
     with pytest.raises(ValueError, match="exceeds"):

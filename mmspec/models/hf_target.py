@@ -197,7 +197,8 @@ class HFTarget(SpecTarget):
     With `compile`, `prepack="auto"` means no prepacking (oneDNN packed weights are an eager
     CPU kernel choice) and `prepack=True` is refused.
 
-    `attention` ("auto", "torch"): the CUDA attention-backend choice of `SpecTarget`."""
+    `attention` ("auto", "torch"): the attention choice of `SpecTarget` (CUDA backends; on CPU,
+    "torch" also turns off mmspec's CPU attention)."""
 
     def __init__(self, model, *, prepack="auto", static: bool | None = None, compile=None, attention: str = "auto"):
         check_supported(model)
