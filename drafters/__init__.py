@@ -6,6 +6,7 @@ Every drafter implements `mmspec.Drafter`: `prefill`, `propose`, `commit`, `sele
 from __future__ import annotations
 
 from .eagle_head import EagleHead, EagleHeadConfig, EagleHeadDrafter
+from .flash import FlashDrafter, FlashHead
 from .guided_drafter import GuidedModelDrafter
 from .jacobi import JacobiDrafter
 from .model_drafter import ModelDrafter
@@ -13,6 +14,6 @@ from .null_drafter import NullDrafter
 from .vispec import ViSpecDrafter, ViSpecHead
 
 __all__ = [
-    "EagleHead", "EagleHeadConfig", "EagleHeadDrafter", "GuidedModelDrafter", "JacobiDrafter", "ModelDrafter",
+    "EagleHead", "EagleHeadConfig", "EagleHeadDrafter", "FlashDrafter", "FlashHead", "GuidedModelDrafter", "JacobiDrafter", "ModelDrafter",
     "NullDrafter", "ViSpecDrafter", "ViSpecHead",
 ]

@@ -278,13 +278,17 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None, checkpoint=None) -> dict:
         bad = [n for n in chosen if n not in names]
         if bad:
             raise ValueError(f"{kind} drafters {bad} are not among the benchmarked drafters {names}")
+    # A FLASH head drafts chains of at most its slots: "every drafter" leaves out what it cannot
+    # draft (naming it in --tree-drafters / --length-drafters is refused by the component).
+    slots = {n: pipe.drafters[n].config.head_config["slots"] for n in names if pipe.drafters[n].config.kind == "flash"}
     if cfg.tree is not None:
-        methods += [tree_variant(pipe, n, cfg.tree) for n in (cfg.tree_drafters or names)]
+        methods += [tree_variant(pipe, n, cfg.tree) for n in (cfg.tree_drafters or [n for n in names if n not in slots])]
     methods += [auto_variant(pipe, n, cfg.auto_max_draft_tokens) for n in cfg.auto_drafters]
     for n in (cfg.length_drafters or names) if cfg.draft_lengths else ():
         comp = pipe.drafters[n].config
         saved = None if comp.tree_depth else comp.num_draft_tokens  # a chain of the saved K is row <name>
-        methods += [length_variant(pipe, n, k) for k in cfg.draft_lengths if k != saved]
+        most = slots[n] if n in slots and not cfg.length_drafters else None
+        methods += [length_variant(pipe, n, k) for k in cfg.draft_lengths if k != saved and (most is None or k <= most)]
     adaptive = {m for m in methods if m in pipe.drafters and (pipe.drafters[m].config.num_draft_tokens == "auto"
                                                               or pipe.drafters[m].config.tree_num_nodes == "auto")}
     from mmspec.testbed.vlm_eval import scene_size
