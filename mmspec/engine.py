@@ -337,6 +337,8 @@ def speculative_generate(
         loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
         while emitter.rows_host:
             loop.step(emitter)
+            if getattr(target, "stop_requested", False):  # optional Target capability: end here, stats complete
+                break
         return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
 
 

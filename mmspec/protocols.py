@@ -42,7 +42,9 @@ class Target(Protocol):
     - `check_inputs(input_ids, attention_mask, model_inputs)`: refuse (ValueError naming it)
       model inputs the target would refuse at `prefill`, without running a forward. The loop
       calls it for a request with `max_new_tokens=0`, which runs no prefill, so that a
-      misspelt option is refused at every length; a target without it goes unchecked there."""
+      misspelt option is refused at every length; a target without it goes unchecked there.
+    - `stop_requested: bool`: read after every step; True ends the request there (each row keeps
+      what it emitted, the stats count what ran). The image pipeline's callback stop uses it."""
 
     vocab_size: int
 
@@ -78,7 +80,8 @@ class Drafter(Protocol):
     Optional capabilities:
     - `features: FeatureRequest` (default: none): what the drafter reads from the target's
       outputs (hidden-state layers, image features, positions).
-    - `draft_calls: int` (default: not reported): drafter forwards so far, for `SpecStats`.
+    - `draft_calls: int` (default: not reported): drafter forwards of the current request (prompt
+      prefill, catch-up, drafting), reset at `prefill`, for `SpecStats`.
     - `set_stop_tokens(token_ids: list[int])`: called before each request's `prefill` with the
       loop's EOS ids (possibly empty); a chain drafter may then end a chain early once every
       row has drafted one (what follows a row's EOS is never emitted).

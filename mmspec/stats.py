@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 class SpecStats:
     target_calls: int = 0  # verify forwards (prefill not included)
     prefill_calls: int = 0
-    draft_calls: int | None = 0  # drafter forwards (catch-up + drafting); None = not reported by the drafter
+    draft_calls: int | None = 0  # drafter forwards of the request (prompt prefill, catch-up, drafting); None = not reported
     new_tokens: list[int] = field(default_factory=list)  # per input row
     row_steps: int = 0  # sum over steps of active rows
     active_rows: list[int] = field(default_factory=list)  # [step]: rows verified in that step
@@ -69,9 +69,11 @@ class SpecStats:
                 self.accept_counts.extend([0] * (n - len(self.accept_counts)))
             for i in range(n):
                 self.accept_counts[i] += 1
-            # positions judged: the accepted ones, and the rejected one after them (unless the
-            # row's output was cut there by EOS / max_new_tokens, or nothing more was drafted)
-            for i in range(n if n_raw > n else min(n + 1, depth)):
+            # positions judged: the accepted ones, and the rejected one after them unless the
+            # row's output was cut there by EOS / max_new_tokens (its replacement not emitted,
+            # as an accepted draft cut there is not counted either) or nothing more was drafted
+            cut = n_raw > n or c <= n
+            for i in range(n if cut else min(n + 1, depth)):
                 self.offer_counts[i] += 1
 
     @property

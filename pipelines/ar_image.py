@@ -102,10 +102,6 @@ class ARImagePipelineOutput(BaseOutput):
     interrupted: bool = False
 
 
-class _Interrupted(Exception):
-    pass
-
-
 def _steers(given: dict, out, tokens: torch.Tensor, counts: list[int]) -> bool:
     """Whether a callback tried to edit the decoded tokens: in the dict it was given, or in the
     one it returned."""
@@ -135,8 +131,7 @@ class _Watch:
         self.on_step = on_step
         self.progress = progress
         self.steps = 0
-        self.row_steps = 0  # what a stopped run reports (the loop's own stats are lost with it)
-        self.emitted = 0
+        self.stop_requested = False  # the loop ends the request after a step that set it
 
     def acceptance_tables(self):
         provide = getattr(self.target, "acceptance_tables", None)
@@ -173,11 +168,9 @@ class _Watch:
                 self.tokens[r, self.count[r]: self.count[r] + take] = torch.tensor(emitted[:take])
             self.count[r] += max(take, 0)
             done += max(take, 0)
-        self.row_steps += len(self.rows)
-        self.emitted += done
         self.progress.update(done)
         if self.on_step is not None and self.on_step(self.steps, self.tokens, list(self.count)):
-            raise _Interrupted
+            self.stop_requested = True
 
     def select_rows(self, rows, rows_host):
         self.target.select_rows(rows, rows_host)
@@ -543,18 +536,13 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
 
         with self.progress_bar(total=B * T) as bar:
             watch = _Watch(target, B, T, on_step if callback_on_step_end is not None else None, bar)
-            try:
-                out = mmspec.speculative_generate(
-                    watch, drafter, labels.view(B, 1), acceptance=rule,
-                    max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-                )
-                tokens, stats, interrupted = out.sequences[:, 1:].cpu(), out.stats, False
-            except _Interrupted:
-                # a stop after the last token leaves nothing undecoded: a complete run, not flagged
+            out = mmspec.speculative_generate(
+                watch, drafter, labels.view(B, 1), acceptance=rule,
+                max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+            )
+            stats, tokens, interrupted = out.stats, out.sequences[:, 1:].cpu(), False
+            if watch.stop_requested:  # a stop after the last token leaves nothing undecoded: complete, not flagged
                 tokens, interrupted = watch.tokens, any(c < T for c in watch.count)
-                stats = SpecStats(target_calls=watch.steps, prefill_calls=1, new_tokens=list(watch.count),
-                                  row_steps=watch.row_steps, emitted_tokens=watch.emitted, kernels=watch.kernels,
-                                  lossless=bool(getattr(rule, "lossless", True)))
         row_steps = stats.row_steps
         info = ARImageStats(**dataclasses.asdict(stats), images=B, target_forwards_per_image=(row_steps + B) / B,
                             drafter=drafter_name, interrupted=interrupted)

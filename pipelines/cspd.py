@@ -79,17 +79,19 @@ class MARStats:
 
     spec: SpecStats = field(default_factory=SpecStats)
     images: int = 0
-    drafted_tokens: int = 0  # every token the drafter proposed (including discarded steps)
+    drafted_tokens: int = 0  # tokens the drafter proposed that were tested (draft="self": drafts of rows
+    # waiting on a residual are dropped untested and not counted)
     judged_tokens: int = 0  # drafted tokens in steps up to the first rejected step of their row
     accepted_tokens: int = 0  # judged tokens accepted (committed drafts)
     residual_tokens: int = 0  # committed residual samples (rejected tokens)
     fallbacks: int = 0  # residual samples that used the explicit fallback
     bonus_steps: int = 0  # draft="model": row steps sampled by the target after all its drafts passed
-    bonus_tokens: int = 0  # tokens committed from the target's own samples (neither drafts nor residuals)
+    bonus_tokens: int = 0  # tokens committed from the target's own samples, plain prefill steps included
     rounds: int = 0
     residual_tries: int = 0  # draft="self" only: target trajectories drawn as residual proposals (the
     # drafter path's rule draws its max_tries proposals per judged token, vectorised, and counts none)
     draft_steps: int = 0  # generation steps drafted a round (0: plain sampling)
+    row_forwards: int = 0  # target forwards each image took part in, summed over the images
 
     @property
     def acceptance_rate(self) -> float:
@@ -98,8 +100,9 @@ class MARStats:
 
     @property
     def target_forwards_per_image(self) -> float:
-        """Batched target calls each image took part in (every unfinished row is in every call)."""
-        return float(self.spec.target_calls) if self.images else 0.0
+        """Target forwards an image took part in, mean over the images (a row waiting on a
+        residual, or finished, sits a forward out; `spec.target_calls` counts the batch's calls)."""
+        return self.row_forwards / self.images if self.images else 0.0
 
     def summary(self) -> str:
         return (f"{self.images} images; target calls {self.spec.target_calls}, draft calls {self.spec.draft_calls}; "
@@ -280,6 +283,8 @@ def sample_mar(
         tokens[seq, pos] = out.sample
         stats.spec.verify_seconds += time.perf_counter() - t
         stats.spec.target_calls += 1
+        stats.row_forwards += B
+        stats.bonus_tokens += seq.numel()  # the target's own samples (they were counted nowhere)
         step.add_(1)
 
     for _ in range(n_prefill):
@@ -337,6 +342,7 @@ def _spec_round(tgt, drf, acceptance, tokens, step, pos_step, num_iter, K, stats
     seq, pos = sel.nonzero(as_tuple=True)
     out = tgt(draft[seq_rows], known, seq_rows, seq, pos, seq_step[seq])
     stats.spec.target_calls += 1
+    stats.row_forwards += int((n_pref > 0).sum())  # SYNC: once a round
     row, k = seq_rows[seq], seq_k[seq]
     is_draft = k < k_b[row]  # [N] verified drafted token; else a bonus-step token
     res = acceptance.accept_tokens(

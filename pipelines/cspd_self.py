@@ -158,6 +158,7 @@ def sample_mar_self(
 
     zc, zu = heads.forward(tokens, torch.zeros(B, L, dtype=torch.bool, device=dev), rows_all, upcoming(rows_all, step))
     stats.spec.target_calls += 1
+    stats.row_forwards += B
     stats.spec.verify_seconds += time.perf_counter() - t
     fresh = torch.ones(B, dtype=torch.bool, device=dev)
     pend_zc, pend_zu = zc.clone(), None if zu is None else zu.clone()  # fresh z of pending tokens
@@ -230,6 +231,7 @@ def sample_mar_self(
             zc_q, zu_q = heads.forward(draft_tok[seq_rows], pos_step[seq_rows] < seq_step[:, None], seq_rows,
                                        upcoming(seq_rows, seq_step))
             stats.spec.target_calls += 1
+            stats.row_forwards += int((n_pref > 0).sum())  # SYNC: once a round (rows on a residual sit out)
         # -- c. score the drafted paths under their fresh z --------------------------------
         d_j = pos_step[d_row, d_pos] - step[d_row]  # drafted step index within the round
         tested = d_ok & (d_j >= j0[d_row])

@@ -270,6 +270,11 @@ def test_callback_stops_and_returns_what_was_decoded():
     assert out.stats.emitted_tokens == decoded - 2  # each row's first token comes from the prefill
     assert out.stats.mean_accepted_length == pytest.approx((decoded - 2) / 4)
     assert out.stats.target_forwards_per_image == pytest.approx(3.0)  # prefill + 2 verify forwards
+    # ... and the rest of what ran: it said 0 drafter forwards, 0 drafts, 0 seconds, stock kernels.
+    assert out.stats.draft_calls >= 2 and out.stats.drafted_nodes > 0 and out.stats.total_seconds > 0
+    assert out.stats.accepted_drafts == out.stats.emitted_tokens - out.stats.row_steps  # drafts + one token a row-step
+    assert len(out.stats.nodes_per_step) == 2 and out.stats.kernels.startswith("target ")
+    assert out.stats.distortion_total >= 0 and out.stats.new_tokens == (out.tokens >= 0).sum(1).tolist()
     # A stop asked for after the last token loses nothing: the run is complete, not flagged.
     plain = pipe([0, 1], temperature=0, guidance_scale=3.0, output_type="latent", speculative=False)
     out = pipe([0, 1], temperature=0, guidance_scale=3.0, output_type="np", speculative=False,

@@ -349,3 +349,18 @@ def test_cache_keyword_follows_the_forward_signature():
     expected = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
     assert cache_argument(transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))) == expected
+
+
+def test_a_verdict_cut_from_the_output_counts_neither_way():
+    """At the max_new_tokens / EOS cut: a rejected draft whose replacement was cut counted as
+    offered (a rejection) while an accepted draft cut there did not count at all, biasing the
+    per-position rates low; now neither counts, and an emitted verdict still does."""
+    from mmspec import SpecStats
+
+    rejected, accepted, kept = SpecStats(), SpecStats(), SpecStats()
+    rejected.record_step([1], 2, emitted=[1])  # d0 accepted, d1 rejected, its replacement cut
+    accepted.record_step([2], 2, emitted=[1])  # d0, d1 accepted, d1 and the bonus cut
+    kept.record_step([1], 2, emitted=[2])  # d0 accepted, d1 rejected, the replacement emitted
+    assert rejected.offer_counts == accepted.offer_counts == [1, 0]
+    assert rejected.acceptance_rate_per_position == accepted.acceptance_rate_per_position == [1.0]
+    assert kept.offer_counts == [1, 1] and kept.acceptance_rate_per_position == [1.0, 0.0]

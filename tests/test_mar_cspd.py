@@ -75,14 +75,20 @@ def test_every_token_of_a_speculative_run_is_counted_once():
 
     m, labels = tiny_mar(), torch.tensor([0, 3, 4, 1])
     L = sample_mar(m, labels[:1], num_iter=2, generator=torch.Generator().manual_seed(0))[0].shape[1]
-    for drafter in (m, tiny_mar(seed=1)):
-        _, st = sample_mar(m, labels, num_iter=8, drafter=drafter, num_draft_steps=2, prefill_fraction=0.0,
+    for drafter, prefill in ((m, 0.0), (tiny_mar(seed=1), 0.0), (tiny_mar(seed=1), 0.15)):  # 0.15: the default
+        _, st = sample_mar(m, labels, num_iter=8, drafter=drafter, num_draft_steps=2, prefill_fraction=prefill,
                            generator=torch.Generator().manual_seed(1))
         assert st.accepted_tokens + st.residual_tokens + st.bonus_tokens == 4 * L, st
-        assert (st.bonus_tokens > 0) == (st.bonus_steps > 0) and st.bonus_steps <= st.rounds * 4
+        if prefill == 0:  # (the prefill's plain samples are bonus tokens without bonus steps)
+            assert (st.bonus_tokens > 0) == (st.bonus_steps > 0) and st.bonus_steps <= st.rounds * 4
+        assert st.target_forwards_per_image == st.row_forwards / 4 <= st.spec.target_calls
     assert st.accepted_tokens == 0 < st.residual_tokens  # the second drafter is rejected: the count can fail
     _, st = sample_mar_self(m, labels, num_iter=8, num_draft_steps=2, generator=torch.Generator().manual_seed(1))
     assert st.accepted_tokens + st.residual_tokens + st.bonus_tokens == 4 * L and st.bonus_steps == 0, st
+    # Rows waiting on a residual sit verify forwards out: per image, fewer than the batch's calls.
+    assert st.row_forwards <= 4 * st.spec.target_calls and st.target_forwards_per_image == st.row_forwards / 4
+    _, plain = sample_mar(m, labels, num_iter=8, generator=torch.Generator().manual_seed(1))
+    assert plain.target_forwards_per_image == plain.spec.target_calls == 8 and plain.bonus_tokens == 4 * L
 
 
 def _shared_noise(n_rows, L, D, S, seed_traj, seed_final):
