@@ -24,9 +24,11 @@ import os
 import time
 from pathlib import Path
 
+from mmspec.assets_dir import ASSETS
+
 # The bundled testbed MAR pair, found from the package location (absent until one is trained
 # and bundled: `mmspec testbed train-mar --out DIR`).
-BUNDLED_MAR = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "mar"
+BUNDLED_MAR = ASSETS / "testbed" / "mar"
 MAKE_ONE = "make one with `mmspec testbed train-mar --out DIR` and pass --model DIR"
 
 # generate options that only MAR folders take (dest names; their parser default is None)

@@ -18,11 +18,11 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
+from mmspec.assets_dir import ASSETS
 from mmspec.cli_types import positive_int, window_arg
 
-BUNDLED_VLM = Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm"
+BUNDLED_VLM = ASSETS / "testbed" / "vlm"
 
 
 def _model_dir(args) -> str:

@@ -89,7 +89,7 @@ def test_eagle_head_asks_for_its_own_geometry_on_cuda_only(monkeypatch):
     asks for nothing."""
     from types import SimpleNamespace
 
-    from drafters.eagle_head import EagleHead, EagleHeadConfig
+    from mmspec.drafters.eagle_head import EagleHead, EagleHeadConfig
 
     asked = []
     monkeypatch.setattr(ac, "backends_for_geometry",

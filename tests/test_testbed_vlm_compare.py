@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from mmspec.testbed.vlm_compare import mcnemar_p, paired_comparison
+
+VLM = str(Path(__file__).resolve().parents[1] / "assets" / "testbed" / "vlm")  # from any working directory
 
 
 def test_mcnemar_exact_p_values():
@@ -49,7 +52,7 @@ def test_compare_vlm_cli_on_the_bundle_against_itself(tmp_path, capsys):
     from mmspec.cli import main
 
     out = tmp_path / "cmp.json"
-    assert main(["testbed", "compare-vlm", "assets/testbed/vlm", "assets/testbed/vlm", "--scenes", "4",
+    assert main(["testbed", "compare-vlm", VLM, VLM, "--scenes", "4",
                  "--no-progress", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "captions" in text and "within noise" in text
@@ -64,9 +67,9 @@ def test_compare_vlm_refuses_bad_counts():
 
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="scenes"):
-            compare("assets/testbed/vlm", "assets/testbed/vlm", scenes=bad)
+            compare(VLM, VLM, scenes=bad)
     with pytest.raises(SystemExit) as stop:  # an argument error (mmspec.cli_types.positive_int)
-        main(["testbed", "compare-vlm", "assets/testbed/vlm", "assets/testbed/vlm", "--threads", "0"])
+        main(["testbed", "compare-vlm", VLM, VLM, "--threads", "0"])
     assert stop.value.code == 2
 
 
@@ -93,7 +96,7 @@ def test_eval_vlm_cli_reports_rates_with_intervals(tmp_path, capsys):
     assert main(["testbed", "eval-vlm", "--scenes", "8", "--no-progress", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     r = json.loads(out.read_text())
-    pipe = load_pipeline("assets/testbed/vlm")
+    pipe = load_pipeline(VLM)
     ref = evaluate(pipe, World(seed=0, split="validation", image_size=scene_size(pipe.processor)).sample(8),
                    max_new_tokens=40, progress=False)
     assert r["caption_correct"] == ref["caption_correct"] and r["vqa_accuracy"] == ref["vqa_accuracy"]

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mmspec.assets_dir import ASSETS
 from mmspec.adaptive import summarize
 from mmspec.bench.core import williams_rows
 from mmspec.bench.report import save
@@ -37,7 +38,7 @@ from mmspec.testbed.judge_model import JUDGE_DIR
 
 # The bundled generator, found from the installed package (the repository root holds assets/),
 # so `mmspec demo` / `mmspec generate` work from any working directory.
-DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "imagegen")
+DEFAULT_MODEL = str(ASSETS / "testbed" / "imagegen")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,14 +28,15 @@ from pathlib import Path
 
 import torch
 
+from mmspec.assets_dir import ASSETS
 from mmspec.adaptive import summarize
 from mmspec.cli_types import positive_int
 from mmspec.bench.report import partial_saver, save
 from mmspec.devices import check_device, device_name
 
 # The bundled VLM, found from the installed package (the repository root holds assets/).
-DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "vlm")
-SAMPLE_SCENES = Path(__file__).resolve().parents[2] / "assets" / "testbed" / "images"
+DEFAULT_MODEL = str(ASSETS / "testbed" / "vlm")
+SAMPLE_SCENES = ASSETS / "testbed" / "images"
 TASKS = ("caption", "vqa")
 
 

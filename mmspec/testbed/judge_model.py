@@ -23,16 +23,17 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmspec.assets_dir import ASSETS
+
 
 # The bundled judge (a path that does not depend on the working directory).
-JUDGE_DIR = Path(__file__).resolve().parents[2] / "assets" / "testbed" / "judge"
+JUDGE_DIR = ASSETS / "testbed" / "judge"
 
 
 @dataclass(frozen=True)

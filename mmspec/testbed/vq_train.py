@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmspec.assets_dir import ASSETS
 from mmspec.cli_types import positive_int
 from mmspec.models.llamagen_tokenizer import LlamaGenVQ, VQConfig
 
@@ -247,7 +248,7 @@ def add_vq_commands(subparsers) -> None:
     p.add_argument("--threads", type=positive_int, default=d.threads)
     p.set_defaults(func=_cmd_train)
     e = subparsers.add_parser("eval-vq", help="evaluate a trained VQ tokenizer on validation scenes")
-    e.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "assets" / "testbed" / "vq"),
+    e.add_argument("--model", default=str(ASSETS / "testbed" / "vq"),
                    help="folder written by train-vq (default: the bundled VQ)")
     e.add_argument("--n", type=int, default=d.n_val, help="number of validation scenes")
     e.set_defaults(func=_cmd_eval)
