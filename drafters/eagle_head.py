@@ -185,8 +185,12 @@ class HeadLayer(nn.Module):
 class EagleHead(nn.Module):
     """The trainable part of an EAGLE drafter (the embedding and LM head are the target's)."""
     attention = "auto"  # "auto": mmspec/attention_choice.py on CUDA; "torch": torch's backend choice
+    kind = "eagle"  # the EagleHeadConfig.kind this class is built from (saved with it)
 
     def __init__(self, config: EagleHeadConfig):
+        if config.kind != self.kind:  # it would be saved as another kind and fail to load back
+            raise ValueError(f"{type(self).__name__} needs EagleHeadConfig(kind={self.kind!r}), got kind={config.kind!r}; "
+                             f"build it with EagleHeadConfig.for_target(model, kind={self.kind!r}, ...)")
         super().__init__()
         self.config = config
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
@@ -238,9 +242,14 @@ class EagleHead(nn.Module):
         raw = json.loads((d / CONFIG_NAME).read_text())
         known = {f.name for f in fields(EagleHeadConfig)}
         config = EagleHeadConfig(**{k: v for k, v in raw.items() if k in known})
+        if not issubclass(head_class(config.kind), cls):
+            raise ValueError(f"{d} holds a {config.kind!r} head, not a {cls.__name__}; load it with "
+                             f"{head_class(config.kind).__name__}.from_pretrained or EagleHead.from_pretrained")
         head = head_class(config.kind)(config)
-        state = load_file(str(d / WEIGHTS_NAME))
-        head.load_state_dict(state, strict=True)
+        try:
+            head.load_state_dict(load_file(str(d / WEIGHTS_NAME)), strict=True)
+        except RuntimeError as e:  # missing / unexpected / mis-shaped tensors: the file, by name
+            raise ValueError(f"{d / WEIGHTS_NAME} does not fit its {CONFIG_NAME}: {e}") from None
         return head.to(dtype) if dtype is not None else head
 
 

@@ -45,6 +45,7 @@ from .eagle_head import EagleHead, EagleHeadConfig, EagleHeadDrafter
 
 class FlashHead(EagleHead):
     """EAGLE head + pooling queries over the target's image latents + slot embeddings."""
+    kind = "flash"
 
     def __init__(self, config: EagleHeadConfig):
         super().__init__(config)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mmspec.guided import uncond_prompts
 from mmspec.sampling import plain_number
 from mmspec.spec import SpecOutput, SpecRunner
 from mmspec.types import TreeConfig
@@ -48,7 +49,7 @@ class _GuidedRunner:
         """Build the unconditional prompts when the request starts, with every row: an adaptive
         drafter runs its prompt prefill later (the first step that drafts), when rows that ended
         have left, and a `make_uncond` holding per-row prompts would not match them then."""
-        u_ids, u_mask, _ = self.make_uncond(input_ids, attention_mask, model_inputs)
+        u_ids, u_mask, _ = uncond_prompts(self.make_uncond, input_ids, attention_mask, model_inputs)
         if u_ids.dim() != 2 or u_ids.shape != input_ids.shape:
             raise ValueError("GuidedModelDrafter: unconditional prompts must have the conditional prompts' shape "
                              f"{tuple(input_ids.shape)} (one per row, the same length), got {tuple(u_ids.shape)}")

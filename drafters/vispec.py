@@ -54,6 +54,7 @@ class ImageAdaptor(nn.Module):
 
 class ViSpecHead(EagleHead):
     """EAGLE head + vision adaptor + global-image fusion."""
+    kind = "vispec"
 
     def __init__(self, config: EagleHeadConfig):
         if config.image_token_id is None:

@@ -274,7 +274,7 @@ def _demo_captions(args) -> None:
         return
     print("\nmmspec demo, captions: the bundled testbed VLM (assets/testbed/vlm, a LLaVA-architecture model), plain\n"
           "greedy decoding vs speculative decoding with each of its drafters (text-only small LM, EAGLE head, ViSpec\n"
-          "head) on the bundled sample scenes; one timed round, so expect noise.\n", flush=True)
+          "head, FLASH head) on the bundled sample scenes; one timed round, so expect noise.\n", flush=True)
     print(demo(DEFAULT_MODEL, threads=args.threads or 2, progress=lambda m: print(m, file=sys.stderr, flush=True)))
 
 
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
 # What mmspec raises for a bad value, a missing or wrong folder (a ValueError naming it, or the
 # OS's error naming the path): printed as `mmspec CMD: message`, as the commands' own checks are,
 # not as a traceback. MMSPEC_TRACEBACK=1 shows the traceback (for bug reports).
-_USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)
+_USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
 
 
 def _reported(command: str, run) -> int:

@@ -58,6 +58,12 @@ class GuidedTarget:
 
         if (uncond_input_ids is None) == (make_uncond is None):
             raise ValueError("GuidedTarget needs exactly one of uncond_input_ids or make_uncond")
+        if make_uncond is not None and not callable(make_uncond):
+            raise TypeError(f"make_uncond must be a callable (input_ids, attention_mask, model_inputs) -> (ids, mask, "
+                            f"model_inputs), got {type(make_uncond).__name__}")
+        if uncond_input_ids is not None and (not isinstance(uncond_input_ids, torch.Tensor)
+                                             or uncond_input_ids.is_floating_point() or uncond_input_ids.dim() != 2):
+            raise TypeError("uncond_input_ids must be a 2-D integer tensor [B, L'] (one unconditional prompt per row)")
         if uncond_attention_mask is not None and uncond_input_ids is None:  # make_uncond returns its own mask
             raise ValueError("uncond_attention_mask goes with uncond_input_ids; make_uncond returns the "
                              "unconditional mask itself")
@@ -133,7 +139,7 @@ class GuidedTarget:
     ) -> TargetOutput:
         B = input_ids.shape[0]
         if self.make_uncond is not None:
-            u_ids, u_mask, u_inputs = self.make_uncond(input_ids, attention_mask, model_inputs)
+            u_ids, u_mask, u_inputs = uncond_prompts(self.make_uncond, input_ids, attention_mask, model_inputs)
         else:
             u_ids = self.uncond_input_ids.to(input_ids.device)
             u_mask = torch.ones_like(u_ids) if self.uncond_attention_mask is None else self.uncond_attention_mask
@@ -204,3 +210,21 @@ class GuidedTarget:
         B = self.generated.shape[0]
         self.target.select_rows(torch.cat([rows, rows + B]), rows_host + [r + B for r in rows_host])
         self.generated = self.generated.index_select(0, rows)
+
+
+def uncond_prompts(make_uncond, input_ids, attention_mask, model_inputs):
+    """Call `make_uncond` and check what it returned: (ids: an integer tensor, mask: a tensor,
+    model inputs: a dict). A callback that breaks the contract is named, where Python's
+    unpacking errors named nothing. (The ids' range is the target's to check: a class-conditional
+    GPT's prompt is a class id, its null class past the token vocabulary.)"""
+    out = make_uncond(input_ids, attention_mask, model_inputs)
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise TypeError(f"make_uncond must return (input_ids, attention_mask, model_inputs), got {type(out).__name__}"
+                        + (f" of {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    ids, mask, inputs = out
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or not isinstance(mask, torch.Tensor):
+        raise TypeError("make_uncond must return integer token ids and an attention mask as tensors, got "
+                        f"{type(ids).__name__} and {type(mask).__name__}")
+    if not isinstance(inputs, dict):
+        raise TypeError(f"make_uncond must return the model inputs as a dict, got {type(inputs).__name__}")
+    return ids, mask, inputs

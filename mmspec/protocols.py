@@ -180,14 +180,17 @@ def implements_drafter(obj) -> bool:
 def check_target(target) -> None:
     missing = _missing(target, _TARGET_REQUIRED)
     if missing:
-        raise TypeError(f"target {type(target).__name__} does not implement mmspec.Target: it lacks {missing}")
+        hint = ("; it is a drafter: did you swap target and drafter?" if implements_drafter(target) else "")
+        raise TypeError(f"target {type(target).__name__} does not implement mmspec.Target: it lacks {missing}{hint}")
 
 
 def check_drafter(drafter) -> FeatureRequest:
     """Check the Drafter protocol; returns the drafter's feature request (empty if none)."""
     missing = _missing(drafter, _DRAFTER_REQUIRED)
     if missing:
-        raise TypeError(f"drafter {type(drafter).__name__} does not implement mmspec.Drafter: it lacks {missing}")
+        hint = ("; a model drafts through mmspec.drafters.ModelDrafter(model)"
+                if hasattr(drafter, "config") and callable(drafter) else "")
+        raise TypeError(f"drafter {type(drafter).__name__} does not implement mmspec.Drafter: it lacks {missing}{hint}")
     nodes = drafter.max_draft_nodes
     if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 0:
         raise TypeError(f"drafter.max_draft_nodes must be an int >= 0, got {nodes!r}")

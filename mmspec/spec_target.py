@@ -65,6 +65,10 @@ class SpecTarget:
     def __init__(self, spec: ForwardSpec, *, static: bool | None = None, compile: Any = None, attention: str = "auto"):
         from mmspec.compiled import static_and_compile
 
+        if not isinstance(spec, ForwardSpec):
+            hint = ("; for a transformers model use mmspec.models.hf_target.HFTarget(model, static=..., compile=...)"
+                    if hasattr(spec, "config") and callable(spec) else "")
+            raise TypeError(f"SpecTarget takes an mmspec ForwardSpec, got {type(spec).__name__}{hint}")
         self.spec = spec
         self.vocab_size = spec.vocab_size
         self.max_positions = spec.max_positions

@@ -109,7 +109,10 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         class_labels = plain_number(class_labels)
         if isinstance(class_labels, int):
             class_labels = [class_labels]
-        labels = torch.as_tensor(class_labels)
+        try:
+            labels = torch.as_tensor(class_labels)
+        except (TypeError, ValueError, RuntimeError):  # None, "cat", [1, "a"]: torch's own words named no argument
+            raise ValueError(f"class_labels must be an int or a non-empty 1-D sequence of ints, got {class_labels!r}") from None
         if labels.dim() != 1 or labels.numel() == 0:
             raise ValueError(f"class_labels must be an int or a non-empty 1-D sequence of ints, got {class_labels!r}")
         if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():  # any int dtype is taken

@@ -370,6 +370,9 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         n = len(images)
         if prompts is None or isinstance(prompts, str):
             prompts = [prompts] * n
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be None, a string or a list of them (None = caption), got "
+                            f"{type(prompts).__name__}")
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} images; give one prompt per image (None = caption)")
         batch_size = plain_number(batch_size)  # (np.int64(2) means 2)

@@ -36,6 +36,9 @@ ALIBI = {"bloom", "mpt", "baichuan"}
 
 def check_supported(model) -> None:
     """Refuse model families whose attention or state the ragged cache cannot reproduce."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):  # None, "gpt2", an nn.Linear
+        raise TypeError(f"the target must be a transformers model (a PreTrainedModel with a config), got "
+                        f"{type(model).__name__}; load it first, e.g. AutoModelForCausalLM.from_pretrained(...)")
     params = inspect.signature(model.forward).parameters
     name = type(model).__name__
     if "image_grid_thw" in params and model_type_of(model) not in MROPE_MODEL_TYPES:
