@@ -38,7 +38,8 @@ def exclusive(target, drafter):
         raise ValueError(
             f"{type(busy[0]).__name__} is decoding another request right now (another thread, or a callback "
             "calling back in): a target or drafter holds one request's caches at a time; build one target and "
-            "drafter per thread")
+            "drafter per thread (with a pipeline: one pipeline per thread, e.g. type(pipe)(**pipe.components), "
+            "each with its own drafter object)")
     try:
         yield
     finally:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -305,6 +306,16 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             return drafter, name
         return d, type(d).__name__
 
+    @property
+    def _interrupt(self) -> bool:
+        """Set by a callback to stop the call it runs in: per thread (calls on other threads are
+        not stopped), restored when a nested call returns."""
+        return self.__dict__.get("_interrupts", {}).get(threading.get_ident(), False)
+
+    @_interrupt.setter
+    def _interrupt(self, value) -> None:
+        self.__dict__.setdefault("_interrupts", {})[threading.get_ident()] = bool(value)
+
     def __setattr__(self, name, value):
         # diffusers registers a component on assignment and fails on a value that is not an object
         # of a class (`pipe.drafter = "jacobi"`: AttributeError '__module__'): name what fits instead
@@ -523,7 +534,7 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             # Gumbel-max sampling, so speculative and plain images are the same for a seed. A call
             # that fails with speculative=True (a greedy rule at temperature 1) fails without it too.
             rule = get_rule("exact")
-        self._interrupt = False
+        outer, self._interrupt = self._interrupt, False  # (a nested call from a callback keeps the outer stop)
 
         def on_step(step, tokens, counts):
             given = {"tokens": tokens.clone(), "num_tokens": list(counts)}
@@ -536,10 +547,13 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
 
         with self.progress_bar(total=B * T) as bar:
             watch = _Watch(target, B, T, on_step if callback_on_step_end is not None else None, bar)
-            out = mmspec.speculative_generate(
-                watch, drafter, labels.view(B, 1), acceptance=rule,
-                max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-            )
+            try:
+                out = mmspec.speculative_generate(
+                    watch, drafter, labels.view(B, 1), acceptance=rule,
+                    max_new_tokens=T, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+                )
+            finally:
+                self._interrupt = outer
             stats, tokens, interrupted = out.stats, out.sequences[:, 1:].cpu(), False
             if watch.stop_requested:  # a stop after the last token leaves nothing undecoded: complete, not flagged
                 tokens, interrupted = watch.tokens, any(c < T for c in watch.count)

@@ -95,7 +95,8 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         conditioning and drafts are verified along their whole denoising path; no drafter needed;
         default 3 steps a round, or "auto": per request, K = 0 (plain sampling) to 4 chosen by
         measured speed at each batch size, learned across the pipeline's calls (separately per
-        num_iter, guidance, schedule and temperature);
+        num_iter, guidance, schedule and temperature; every K is exact, but the images a seed gives
+        depend on the K chosen, so pass an int where a seed must reproduce images);
         `stats.draft_steps` says which; `pipelines/cspd_self.py`). With draft="self" the residual's
         target proposals come from a `ContinuousAcceptance` object's `tries_per_block` / `max_tries`
         when one is given, and from the sampler's own 4 a round / 256 in all for the name

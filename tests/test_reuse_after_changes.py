@@ -130,8 +130,9 @@ def test_one_request_at_a_time_per_target_and_drafter():
 
 
 def test_an_image_callback_may_call_the_pipeline_back():
-    """Each image-pipeline call decodes through its own target and drafter objects, so a callback
-    that generates again (a preview, say) leaves the outer run's tokens as they were."""
+    """Each image-pipeline call with a drafter GPT decodes through its own target and drafter
+    objects (a JacobiDrafter component is one object, refused while busy), so a callback that
+    generates again (a preview, say) leaves the outer run's tokens as they were."""
     from test_ar_image_pipeline import make_pipe
 
     pipe = make_pipe()

@@ -19,6 +19,7 @@ embeddings), `positions` (1-D logical positions; Qwen2-VL's spec derives M-RoPE 
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Any
 
 import torch
@@ -305,11 +306,17 @@ class HFSpec(ForwardSpec):
         )
 
     def _hooks(self, features: FeatureRequest, captured: dict, run) -> list:
-        """Forward hooks on `run` (the model or its packed view: the module tree the forward runs)."""
+        """Forward hooks on `run` (the model or its packed view: the module tree the forward runs).
+        A bare model may be shared by requests on other threads: the hooks read only forwards of
+        the thread that set them (a forward runs on its caller's thread), so another request's
+        batch cannot land in this one's features."""
         handles = []
+        owner = threading.get_ident()
         if features.last_hidden or features.image_features:
 
             def base_hook(module, args, output):
+                if threading.get_ident() != owner:
+                    return
                 hidden = getattr(output, "last_hidden_state", None)
                 if hidden is None and isinstance(output, tuple):
                     hidden = output[0]
@@ -325,7 +332,8 @@ class HFSpec(ForwardSpec):
             if image_module is not None:
 
                 def image_hook(module, args, output):
-                    captured["image"] = getattr(output, "pooler_output", output)
+                    if threading.get_ident() == owner:
+                        captured["image"] = getattr(output, "pooler_output", output)
 
                 handles.append(image_module.register_forward_hook(image_hook))
         if features.hidden_layers:
@@ -336,7 +344,8 @@ class HFSpec(ForwardSpec):
             for i in features.hidden_layers:
 
                 def layer_hook(module, args, output, i=i):
-                    captured[i] = output[0] if isinstance(output, tuple) else output
+                    if threading.get_ident() == owner:
+                        captured[i] = output[0] if isinstance(output, tuple) else output
 
                 handles.append(layers[i].register_forward_hook(layer_hook))
         return handles
