@@ -121,15 +121,15 @@ def test_train_vlm_tiny_folder_loads_and_speculative_equals_plain(tiny_run):
 
     metrics = json.loads((tiny_run / "metrics.json").read_text())
     log = json.loads((tiny_run / "train_log.json").read_text())
-    assert {"data", "tower", "lm", "tune", "text", "eagle", "vispec", "eval"} <= set(metrics)
+    assert {"data", "tower", "lm", "tune", "text", "eagle", "vispec", "flash", "eval"} <= set(metrics)
     assert len(log["lm"]) >= 1 and all(torch.isfinite(torch.tensor(r["loss"])) for r in log["lm"])
-    assert metrics["eval"]["default_drafter"] in ("text", "eagle", "vispec")
+    assert metrics["eval"]["default_drafter"] in ("text", "eagle", "vispec", "flash")
     with safe_open(str(next((tiny_run / "target").glob("*.safetensors"))), "pt") as f:
         assert all(f.get_slice(k).get_dtype() == "F16" for k in f.keys())
     assert isinstance(AutoProcessor.from_pretrained(tiny_run / "processor"), LlavaProcessor)
     pipe = SpeculativeVLMPipeline.from_pretrained(tiny_run)
     assert pipe.target.dtype == torch.float32  # fp16 storage, float32 compute on CPU
-    assert set(pipe.drafters) == {"text", "eagle", "vispec"}
+    assert set(pipe.drafters) == {"text", "eagle", "vispec", "flash"}
     assert pipe.drafter is pipe.drafters[metrics["eval"]["default_drafter"]]
     scenes = World(seed=5, split="test").sample(3)
     images, prompts = [s.image for s in scenes], [None, scenes[1].qa[0][0], None]
@@ -181,11 +181,21 @@ def test_bundled_vlm_has_a_real_processor_and_its_drafters():
     image_id = pipe.processor.tokenizer.convert_tokens_to_ids(pipe.processor.image_token)
     assert int((enc["input_ids"] == image_id).sum()) >= 32
     metrics = json.loads((BUNDLED / "metrics.json").read_text())
-    assert set(pipe.drafters) == {"text", "eagle", "vispec"}
+    assert set(pipe.drafters) == {"text", "eagle", "vispec", "flash"}
     assert pipe.drafter is pipe.drafters[metrics["eval"]["default_drafter"]]
     plain = pipe([scene.image], None, max_new_tokens=24, speculative=False)
     spec = pipe([scene.image], None, max_new_tokens=24)
     assert spec.sequences[0].tolist() == plain.sequences[0].tolist()
+    # Every bundled drafter answers like plain decoding, and the trained FLASH head drafts tokens
+    # the target keeps (2.68 per target forward in the eval stage; an untrained head gives ~1.0).
+    images = [s.image for s in World(seed=0, split="validation").sample(4)]
+    plain = pipe(images, None, max_new_tokens=24, speculative=False)
+    for name in sorted(pipe.drafters):
+        pipe.load_drafter(name)
+        out = pipe(images, None, max_new_tokens=24)
+        assert out.texts == plain.texts, name
+        if name == "flash":
+            assert out.stats.mean_accepted_length > 1.8, out.stats.mean_accepted_length
 
 
 @pytest.mark.skipif(not (BUNDLED / "model_index.json").is_file(), reason="no bundled VLM in this checkout")

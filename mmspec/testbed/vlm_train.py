@@ -27,12 +27,13 @@ What (``mmspec testbed train-vlm --out DIR``), in stages that each save their re
    (``mmspec.testbed.vlm_tune``: the LM stage alone answered every existence question "yes").
    ``--tune-from DIR`` tunes a saved pipeline instead (how the session-17 bundle was made from
    the session-14 one); ``--tune-steps 0`` skips the stage.
-5. ``text`` / ``eagle`` / ``vispec``: the drafters, by ``mmspec train-drafter``'s own code
+5. ``text`` / ``eagle`` / ``vispec`` / ``flash``: the drafters, by ``mmspec train-drafter``'s own code
    (``pipelines.train_drafter``: the target's regenerated answers, online distillation), on
    the answers to ``drafter_images`` scenes for ``drafter_steps`` steps, the learning rate on a
    cosine after ``drafter_warmup`` warm-up steps (session 23: 8192 scenes, 12000 steps, cosine
    took ViSpec from 2.88 to 3.11 tokens per target forward in the eval, ~9 min a drafter on
-   2 cores, against 4096 / 4000 / constant).
+   2 cores, against 4096 / 4000 / constant). The FLASH head drafts ``num_draft_tokens`` tokens
+   per forward (its ``slots``) and pools each image into ``flash_compress_len`` tokens.
 6. ``eval``: caption correctness and VQA accuracy on ``n_val`` validation scenes
    (``mmspec.testbed.vlm_eval``), each drafter's mean accepted length on ``accept_scenes``
    validation scenes (captions and questions, greedy, speculative == plain checked); the
@@ -71,8 +72,8 @@ from mmspec.testbed.vlm_pack import draw_example, packed_batch, sample_packs
 from mmspec.testbed.vlm_tower import stage_tower
 from mmspec.testbed.vlm_tune import stage_tune
 
-STAGES = ("data", "tower", "lm", "tune", "text", "eagle", "vispec", "eval")
-DRAFTERS = ("text", "eagle", "vispec")
+STAGES = ("data", "tower", "lm", "tune", "text", "eagle", "vispec", "flash", "eval")
+DRAFTERS = ("text", "eagle", "vispec", "flash")
 CAPTION_PROMPT = "what is in the image ?"
 CHAT_TEMPLATE = ("{% for message in messages %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
                  "<image> {% endif %}{% endfor %}{% for c in message['content'] %}{% if c['type'] == 'text' %}"
@@ -138,6 +139,7 @@ class VLMTrainConfig:
     drafter_warmup: int = 200
     answer_tokens: int = 40
     num_draft_tokens: int = 5
+    flash_compress_len: int = 8  # FLASH: tokens each image's 65 visual tokens are pooled into
     # evaluation
     accept_scenes: int = 32
     max_new_tokens: int = 40
@@ -418,6 +420,7 @@ def drafter_config(cfg: VLMTrainConfig, work: Path, kind: str):
                               steps=cfg.drafter_steps, batch_size=cfg.drafter_batch, lr=cfg.drafter_lr,
                               lr_schedule=cfg.drafter_lr_schedule, warmup_steps=cfg.drafter_warmup,
                               num_draft_tokens=cfg.num_draft_tokens, device=cfg.device,
+                              slots=cfg.num_draft_tokens, compress_len=cfg.flash_compress_len,
                               save_every=max(cfg.drafter_steps // 4, 1), seed=cfg.seed, progress=cfg.progress)
 
 

@@ -50,7 +50,8 @@ def check_config(c) -> None:
         v = getattr(c, name)
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"VLMTrainConfig.{name} must be a finite number > 0, got {v}")
-    for name in ("tower_dim", "tower_layers", "tower_heads", "lm_dim", "lm_layers", "lm_heads", "lm_ffn", "num_draft_tokens"):
+    for name in ("tower_dim", "tower_layers", "tower_heads", "lm_dim", "lm_layers", "lm_heads", "lm_ffn", "num_draft_tokens",
+                 "flash_compress_len"):
         if getattr(c, name) < 1:
             raise ValueError(f"VLMTrainConfig.{name} must be >= 1, got {getattr(c, name)}")
     for dim, heads in (("tower_dim", "tower_heads"), ("lm_dim", "lm_heads")):
