@@ -41,6 +41,9 @@ def test_wrong_objects_for_targets_and_drafters_get_a_remedy():
     ids = torch.tensor([[3, 4, 5]])
     with pytest.raises(TypeError, match=r"ModelDrafter\(model\)"):
         mmspec.speculative_generate(model, tiny_llama(seed=1), ids, max_new_tokens=2)
+    with pytest.raises(ValueError, match="num_draft_tokens: an option of the drafter"):
+        mmspec.speculative_generate(model, mmspec.drafters.ModelDrafter(tiny_llama(seed=1)), ids, max_new_tokens=2,
+                                    num_draft_tokens=3)
     with pytest.raises(TypeError, match="did you swap target and drafter"):
         mmspec.speculative_generate(mmspec.drafters.ModelDrafter(tiny_llama(seed=1)), model, ids, max_new_tokens=2)
     with pytest.raises(TypeError, match=r"use mmspec.models.hf_target.HFTarget\(model"):

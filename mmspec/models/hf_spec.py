@@ -164,10 +164,13 @@ class HFSpec(ForwardSpec):
                 f"{', '.join(sorted(PREFIX_LM))}), which would change the answer: drop token_type_ids")
         unknown = sorted(k for k in model_inputs if k not in self.forward_params)
         if unknown:
+            drafter_options = [k for k in unknown if k in ("num_draft_tokens", "max_draft_tokens", "tree")]
+            hint = (f" ({', '.join(drafter_options)}: an option of the drafter, e.g. "
+                    "ModelDrafter(model, num_draft_tokens=...))" if drafter_options else "")
             raise ValueError(
                 f"{type(self.model).__name__}.forward takes no argument(s) {unknown}; remove them (misspelt generation "
                 "options such as 'temprature' land here too: the speculative options are keyword arguments of "
-                "speculative_generate)"
+                f"speculative_generate){hint}"
             )
         self._check_token_ids(input_ids)
 
