@@ -76,7 +76,8 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}"
         )
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must hold at least one token per row, got shape {tuple(input_ids.shape)}")
+        raise ValueError(f"input_ids must hold at least one row and one token per row, got shape "
+                         f"{tuple(input_ids.shape)}")
     if input_ids.is_meta:
         raise ValueError("input_ids is on the 'meta' device (a tensor without values); pass the token ids on the "
                          "model's device")

@@ -168,6 +168,9 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
         check_generator(generator)
         # The draft options are checked with speculative=False too: a call that fails with it on must
         # fail the same way without it (num_draft_steps=-3 passed silently there).
+        if draft == "self" and num_draft_steps != "auto" and (isinstance(num_draft_steps, bool) or not isinstance(
+                num_draft_steps, int) or num_draft_steps < 1):  # (the sampler's message leaves "auto" out)
+            raise ValueError(f"num_draft_steps must be an int >= 1 or 'auto' with draft='self', got {num_draft_steps!r}")
         check_speculative(temperature if speculative else None, 1 if num_draft_steps == "auto" else num_draft_steps,
                           None if draft == "self" else prefill_fraction)
         bar = self.progress_bar(total=num_iter)
