@@ -93,6 +93,11 @@ class GuidedTarget:
         self.pad_token_id = pad_token_id
         self.generated: torch.Tensor | None = None  # [B] tokens emitted so far per row (root included)
 
+    @property
+    def stop_requested(self) -> bool:
+        """The wrapped target's optional stop request, passed through (mmspec/protocols.py)."""
+        return bool(getattr(self.target, "stop_requested", False))
+
     # ---- guidance ------------------------------------------------------------------------------
     def _guide(self, out: TargetOutput, index: torch.Tensor) -> TargetOutput:
         B = out.logits.shape[0] // 2

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -192,6 +193,10 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         if unknown:  # a misspelt key ("windw") was saved and ignored
             raise ValueError(f"drafter_config has unknown key(s) {unknown}; known: {sorted(DEFAULT_DRAFTER_CONFIG)}")
         settings = {**DEFAULT_DRAFTER_CONFIG, **(drafter_config or {})}
+        if settings["tree"] and settings["num_draft_tokens"] != 4:  # never used beside a tree: old folders still load
+            warnings.warn(f"drafter_config num_draft_tokens={settings['num_draft_tokens']!r} has no effect beside a 'tree'; "
+                          "the default 4 is kept in its place", stacklevel=2)
+            settings["num_draft_tokens"] = 4
         if settings["kind"] not in ("model", "jacobi"):
             raise ValueError(f"drafter_config['kind'] must be 'model' or 'jacobi', got {settings['kind']!r}")
         if not isinstance(target, LlamaGenGPT):
@@ -307,9 +312,7 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         return d, type(d).__name__
 
     @property
-    def _interrupt(self) -> bool:
-        """Set by a callback to stop the call it runs in: per thread (calls on other threads are
-        not stopped), restored when a nested call returns."""
+    def _interrupt(self) -> bool:  # set in a callback: stops the call it runs in (per thread; kept across a nested call)
         return self.__dict__.get("_interrupts", {}).get(threading.get_ident(), False)
 
     @_interrupt.setter
@@ -484,7 +487,7 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
     ):
         """Generate `num_images_per_prompt` images per class label. `callback_on_step_end(pipe,
         step, tokens_done, {"tokens": [B, T] (-1 = not yet), "num_tokens": [B]})` runs after every
-        target forward; it stops the run by returning {"stop": True} or setting `pipe._interrupt`
+        target forward; it stops the run by returning {"stop": True} or setting `pipe._interrupt` (in the callback: it is per thread)
         (edited `tokens` / `num_tokens`, returned or changed in place, are refused: the run is not
         steered; other entries are not read, as in diffusers)."""
         num_images_per_prompt, guidance_scale, temperature, top_p = (  # np.float32(3.0) means 3.0

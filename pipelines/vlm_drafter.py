@@ -86,7 +86,19 @@ class DrafterComponent(ModelMixin, ConfigMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """diffusers' loader, strict: a folder with a missing, unexpected or mis-shaped tensor is a
         ValueError naming it (it loaded with that part random: a ViSpec head without fc drafted
-        nothing the target accepted)."""
+        nothing the target accepted). A folder saved before session 59 with a draft length beside a
+        tree (never used) loads with the default in its place and a warning naming it."""
+        import json
+        import os
+        import warnings
+
+        config = os.path.join(str(pretrained_model_name_or_path), kwargs.get("subfolder") or "", cls.config_name)
+        if os.path.isfile(config) and "num_draft_tokens" not in kwargs:
+            saved = json.loads(open(config).read())
+            if saved.get("tree_depth") and saved.get("num_draft_tokens", 4) != 4:
+                warnings.warn(f"{config}: num_draft_tokens={saved['num_draft_tokens']!r} beside a tree (tree_depth > 0) "
+                              "was never used; loaded as the default 4 (save again to drop it)", stacklevel=2)
+                kwargs["num_draft_tokens"] = 4
         return strict_from_pretrained(super().from_pretrained, cls.__name__, pretrained_model_name_or_path, *args, **kwargs)
 
     @classmethod

@@ -92,3 +92,54 @@ def test_spec_runner_takes_static_and_compile_as_spec_target_does():
     assert runner.static and runner.compile == {"backend": "eager"}
     with pytest.raises(ValueError, match="needs static shapes"):
         SpecRunner(spec, static=False, compile={"backend": "eager"})
+
+
+def test_folders_saved_with_a_draft_length_beside_a_tree_still_load(tmp_path):
+    """Before session 59 a draft length beside a tree was saved (and never used): such folders
+    load with the default in its place and a warning, where refusing them broke the folder."""
+    import json
+
+    from mmspec.drafters import EagleHead, EagleHeadConfig
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    from test_ar_image_pipeline import tiny_vq
+
+    with pytest.warns(UserWarning, match="num_draft_tokens=6 has no effect beside a 'tree'"):
+        pipe = SpeculativeARImagePipeline(target=tiny_gpt(0), vq=tiny_vq(), drafter=noisy_gpt(tiny_gpt(0), 0.3),
+                                          drafter_config={"tree": {"depth": 2, "top_k": 2, "num_nodes": 4},
+                                                          "num_draft_tokens": 6})
+    assert pipe.config.drafter_config["num_draft_tokens"] == 4
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe([0], guidance_scale=3.0, temperature=0, output_type="latent").stats.drafter.startswith("GuidedModelDrafter(tree=")
+    model, _ = tiny_llava_parts()
+    comp = DrafterComponent.from_head(EagleHead(EagleHeadConfig.for_target(model)).double(), tree=TREE)
+    comp.save_pretrained(tmp_path / "d")
+    cfg = tmp_path / "d" / "config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "num_draft_tokens": 5}))  # as saved before
+    with pytest.warns(UserWarning, match="num_draft_tokens=5 beside a tree"):
+        again = DrafterComponent.from_pretrained(tmp_path / "d")
+    assert again.config.num_draft_tokens == 4 and again.tree == TREE
+
+
+def test_a_guided_target_passes_its_inner_targets_stop_request_through():
+    target = llamagen_target(tiny_gpt(0), 1.0, num_tokens=16)
+
+    class Stopping:
+        def __init__(self, inner):
+            self.inner, self.steps = inner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def commit(self, info):
+            self.inner.commit(info)
+            self.steps += 1
+
+        @property
+        def stop_requested(self):
+            return self.steps >= 2
+
+    guided = mmspec.GuidedTarget(Stopping(target), 3.0, make_uncond=null_class_uncond(NUM_CLASSES))
+    out = mmspec.speculative_generate(guided, mmspec.drafters.NullDrafter(guided.vocab_size), torch.tensor([[0]]),
+                                      max_new_tokens=10)
+    assert out.stats.target_calls == 2 and out.stats.new_tokens == [3]  # it ran to max_new_tokens

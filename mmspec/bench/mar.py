@@ -161,7 +161,7 @@ def run_chunk(pipe, chunk: list[int], call: dict, seed: int, totals: dict) -> No
     t, n = totals, len(chunk)
     t["wall"] += time.perf_counter() - t0
     t["images"] += n
-    t["target"] += s.spec.target_calls * n
+    t["target"] += s.row_forwards  # the forwards each image took part in (rows on a residual sit some out)
     t["draft"] += s.spec.draft_calls * n
     t["calls_t"] += s.spec.target_calls
     t["calls_d"] += s.spec.draft_calls

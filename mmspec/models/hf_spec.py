@@ -318,7 +318,7 @@ class HFSpec(ForwardSpec):
         if features.last_hidden or features.image_features:
 
             def base_hook(module, args, output):
-                if threading.get_ident() != owner:
+                if not torch.compiler.is_compiling() and threading.get_ident() != owner:  # (compiled: the caller's thread)
                     return
                 hidden = getattr(output, "last_hidden_state", None)
                 if hidden is None and isinstance(output, tuple):
@@ -335,7 +335,7 @@ class HFSpec(ForwardSpec):
             if image_module is not None:
 
                 def image_hook(module, args, output):
-                    if threading.get_ident() == owner:
+                    if torch.compiler.is_compiling() or threading.get_ident() == owner:
                         captured["image"] = getattr(output, "pooler_output", output)
 
                 handles.append(image_module.register_forward_hook(image_hook))
@@ -347,7 +347,7 @@ class HFSpec(ForwardSpec):
             for i in features.hidden_layers:
 
                 def layer_hook(module, args, output, i=i):
-                    if threading.get_ident() == owner:
+                    if torch.compiler.is_compiling() or threading.get_ident() == owner:
                         captured[i] = output[0] if isinstance(output, tuple) else output
 
                 handles.append(layers[i].register_forward_hook(layer_hook))
