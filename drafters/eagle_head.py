@@ -244,7 +244,7 @@ class EagleHead(nn.Module):
         config = EagleHeadConfig(**{k: v for k, v in raw.items() if k in known})
         if not issubclass(head_class(config.kind), cls):
             raise ValueError(f"{d} holds a {config.kind!r} head, not a {cls.__name__}; load it with "
-                             f"{head_class(config.kind).__name__}.from_pretrained or EagleHead.from_pretrained")
+                             "EagleHead.from_pretrained (it builds the class the folder names)")
         head = head_class(config.kind)(config)
         try:
             head.load_state_dict(load_file(str(d / WEIGHTS_NAME)), strict=True)

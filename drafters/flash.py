@@ -105,7 +105,8 @@ class FlashHead(EagleHead):
         """Cache-free forward over all pairs and all slots (training and reference): outputs
         [B, slots * L', H], block i holding slot i of every pair; the "source" of slot i of pair t
         is t + i (its target is the feature after it, h_{t+1+i}), and the mask drops slots past
-        the last pair and slots of image pairs."""
+        the last pair and slots of image pairs (with one slot: `EagleHead.forward_full`'s mask,
+        and the loss leaves image pairs out)."""
         k = self.config.slots
         if k == 1:
             return super().forward_full(next_tokens, embeds, hidden, mask)
@@ -151,6 +152,14 @@ class FlashDrafter(EagleHeadDrafter):
                              f"most {slots} tokens per step")
         self._slot_feats = None  # [B, k - 1, H] this step's placeholder features
         self._root_input = None  # [B, 1, H] the root's head input right after the prompt's prefill
+
+    def prefill(self, input_ids, attention_mask, target_out, model_inputs, max_new_tokens):
+        if self.image_token_id is not None:  # pairs read the token after theirs: a first image token is no pair's
+            first = attention_mask.long().argmax(1)
+            if bool((input_ids.gather(1, first.unsqueeze(1)) == self.image_token_id).any()):  # SYNC: once per request
+                raise ValueError("a prompt begins with an image token; FLASH pools an image from the latents of the "
+                                 "tokens after each pair's own, so put a text or BOS token first")
+        super().prefill(input_ids, attention_mask, target_out, model_inputs, max_new_tokens)
 
     def _prefill_head(self, roots):
         feats = super()._prefill_head(roots)

@@ -40,14 +40,15 @@ HELP = {
     "lr": "peak learning rate of AdamW (default %(default)s)",
     "lr_schedule": "constant, or cosine (a half cosine toward 0, reached at --steps) (default %(default)s)",
     "warmup_steps": "linear warm-up steps before the schedule (default %(default)s)",
-    "ttt_steps": "extra unrolled forwards on the head's own features, training-time test (default %(default)s)",
+    "ttt_steps": "extra unrolled forwards on the head's own features, training-time test (default 1; 0 for flash, "
+                 "whose head never reads its own features)",
     "feature_weight": "eagle / vispec / flash: weight of the SmoothL1 loss on the target's features (default %(default)s)",
     "ce_weight": "eagle / vispec / flash: weight of the cross-entropy against the target's tokens (default %(default)s; a text drafter trains on the cross-entropy alone)",
     "text_layers": "decoder layers of the text drafter's small LM (default %(default)s)",
     "slots": "flash: tokens the head drafts per forward, the most a step drafts (default %(default)s)",
     "compress_len": "flash: tokens each image span is pooled into, at most its image tokens (default %(default)s)",
     "num_draft_tokens": "chain length K saved with the drafter, or auto (chosen per request by measured speed) "
-                        "(default %(default)s)",
+                        "(default 4; flash: its --slots)",
     "tree_depth": "> 0: save the drafter with a dynamic tree of this depth (default %(default)s: chains)",
     "tree_top_k": "tree: children kept per node (default %(default)s)",
     "tree_num_nodes": "tree: nodes verified per step, or auto (chosen per request by measured speed) (default %(default)s)",
@@ -72,13 +73,13 @@ class TrainDrafterConfig:
     lr: float = 3e-4
     lr_schedule: str = "constant"  # or "cosine": decays to 0 at `steps`
     warmup_steps: int = 0  # linear warm-up from 0 before the schedule
-    ttt_steps: int = 1  # extra unrolled forwards on the head's own features (feature drafters)
+    ttt_steps: int | None = None  # extra unrolled forwards on the head's own features (None: 1; flash 0)
     feature_weight: float = 1.0
     ce_weight: float = 0.1
     text_layers: int = 1  # text drafter: decoder layers of the small LM
     slots: int = 4  # flash: tokens drafted per head forward
     compress_len: int = 8  # flash: pooled tokens per image span
-    num_draft_tokens: int | str = 4  # or "auto"
+    num_draft_tokens: int | str | None = None  # or "auto" (None: 4; flash: slots)
     tree_depth: int = 0  # > 0: save the drafter with a dynamic tree of this depth
     tree_top_k: int = 4
     tree_num_nodes: int | str = 16  # or "auto"
@@ -96,6 +97,15 @@ class TrainDrafterConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        flash = self.drafter == "flash"
+        if self.num_draft_tokens is None:  # frozen: the resolved defaults are set once, here
+            object.__setattr__(self, "num_draft_tokens", self.slots if flash else 4)
+        if self.ttt_steps is None:
+            object.__setattr__(self, "ttt_steps", 0 if flash else 1)
+        if flash and self.ttt_steps:  # the unroll feeds the head its own features; FLASH's never reads them
+            raise ValueError(f"--ttt-steps {self.ttt_steps}: a flash head never reads its own features at inference "
+                             "(placeholders come from the root's input), so the unroll would train it on inputs it "
+                             "never sees; use --ttt-steps 0")
         k = self.num_draft_tokens  # checked when the drafter was saved: after every training step
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {k!r}")
@@ -104,7 +114,8 @@ class TrainDrafterConfig:
                              "--tree-num-nodes nodes): leave it out")
         if self.drafter == "flash" and (self.tree_depth or (k != "auto" and k > self.slots)):
             raise ValueError(f"a flash drafter drafts chains of at most --slots={self.slots} tokens: got "
-                             f"--num-draft-tokens {k} and --tree-depth {self.tree_depth}")
+                             f"--num-draft-tokens {k} and --tree-depth {self.tree_depth}; pass --num-draft-tokens "
+                             f"<= {self.slots} (or leave it out: the slots) and no tree")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.warmup_steps < self.steps:

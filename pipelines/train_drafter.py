@@ -1,6 +1,6 @@
 """`mmspec train-drafter`: online distillation of a VLM drafter from its target.
 
-    mmspec train-drafter --pipeline DIR --drafter text|eagle|vispec --out DIR [--data DIR] [--steps N]
+    mmspec train-drafter --pipeline DIR --drafter text|eagle|vispec|flash --out DIR [--data DIR] [--steps N]
 
 1. Data: images with prompts (a folder of images, optionally with the testbed's `scenes.jsonl`
    for questions; by default testbed scenes rendered on the fly), and the *target's own greedy
@@ -17,6 +17,8 @@
 4. Training-time test (HASS, EAGLE-3): `--ttt-steps` extra unrolled forwards in which the head
    reads its *own* predicted features instead of the target's, so that it learns to draft
    from its own outputs (what it does at inference) instead of the shortcut h_t -> h_{t+1}.
+   Not for a FLASH head (0 by default, more refused): its placeholders come from the root's
+   input, so it never reads its own features.
 5. AdamW (learning rate constant, or `--lr-schedule cosine`: a half cosine to 0 at the last
    step, after `--warmup-steps` of linear warm-up), gradient accumulation, bf16 autocast on
    CUDA; `checkpoint.pt` every `--save-every` steps (model, optimiser, RNG) and automatic resume; tqdm progress; losses logged to
@@ -170,7 +172,8 @@ def key_mismatch(path: Path, what: str, saved, want: dict) -> str:
 
 # Settings a resumed run must share with the checkpoint it continues (they define what each
 # step trains); steps (a constant schedule), save_every, the saved drafter's shape, ... may change.
-RUN_FIELDS = ("batch_size", "grad_accum", "ttt_steps", "feature_weight", "ce_weight", "text_layers")
+RUN_FIELDS = ("batch_size", "grad_accum", "ttt_steps", "feature_weight", "ce_weight", "text_layers", "slots",
+              "compress_len")
 
 
 def collate(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, dict]:

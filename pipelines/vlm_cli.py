@@ -164,7 +164,7 @@ def add_subparsers(sub) -> None:
     p.add_argument("--question", required=True)
     _common(p)
     p.set_defaults(func=cmd_vqa)
-    p = sub.add_parser("train-drafter", help="distil a text / EAGLE / ViSpec drafter from a pipeline's target")
+    p = sub.add_parser("train-drafter", help="distil a text / EAGLE / ViSpec / FLASH drafter from a pipeline's target")
     from .train_config import HELP, TrainDrafterConfig
 
     for f in dataclasses.fields(TrainDrafterConfig):
@@ -176,7 +176,8 @@ def add_subparsers(sub) -> None:
         elif f.default is dataclasses.MISSING:
             p.add_argument(flag, required=True, help=HELP[f.name])
         else:
-            kind = {"int": int, "float": float, "int | str": window_arg}.get(str(f.type), str)  # int | "auto"
+            kind = {"int": int, "float": float, "int | str": window_arg, "int | None": int,
+                    "int | str | None": window_arg}.get(str(f.type), str)  # int | "auto"
             p.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train_drafter)

@@ -10,7 +10,7 @@ pipeline component) holds the trainable part of one of mmspec's VLM drafters:
   chains of at most its `slots` tokens, no trees).
 
 `num_draft_tokens` is a fixed chain length or `"auto"` (the loop picks K in
-0..`max_draft_tokens`, default 8 for a text drafter (`ModelDrafter`'s) and 6 for a head, per step from measured costs and acceptance; mmspec/adaptive.py;
+0..`max_draft_tokens`, default 8 for a text drafter (`ModelDrafter`'s), 6 for a head and a FLASH head's slots, per step from measured costs and acceptance; mmspec/adaptive.py;
 `max_draft_tokens` with a fixed length is refused). A tree drafter (`tree_depth > 0`) verifies
 `tree_num_nodes` nodes per step, or with `tree_num_nodes="auto"` a size chosen per request from
 measured speed (0 = plain decoding up to min(24, top_k + (depth - 1) * top_k^2); `TreeConfig(num_nodes="auto")`).
@@ -69,7 +69,8 @@ class DrafterComponent(ModelMixin, ConfigMixin):
             if tree_depth or (most is not None and most > slots):
                 raise ValueError(f"a flash drafter drafts chains of at most its head's slots={slots} tokens; got "
                                  f"num_draft_tokens={num_draft_tokens!r}, max_draft_tokens={max_draft_tokens!r}, "
-                                 f"tree_depth={tree_depth}")
+                                 f"tree_depth={tree_depth}: pass num_draft_tokens (or max_draft_tokens with 'auto') "
+                                 f"<= {slots}, and no tree")
         if kind == "text":
             from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -103,9 +104,12 @@ class DrafterComponent(ModelMixin, ConfigMixin):
 
     @classmethod
     def from_head(cls, head, num_draft_tokens: int | str | None = None, tree: TreeConfig | None = None) -> "DrafterComponent":
-        """A component of a trained head: a chain of `num_draft_tokens` (default 4) or `tree`."""
+        """A component of a trained head: a chain of `num_draft_tokens` (default 4, a FLASH head's
+        slots) or `tree`."""
         from dataclasses import asdict
 
+        if num_draft_tokens is None and tree is None and head.config.kind == "flash":
+            num_draft_tokens = head.config.slots  # a FLASH head drafts its slots a step
         comp = cls(kind=head.config.kind, head_config=asdict(head.config),
                    num_draft_tokens=_chain_length(num_draft_tokens, tree), **_tree_fields(tree))
         comp.head.load_state_dict(head.state_dict())

@@ -151,3 +151,20 @@ def test_a_flash_component_in_the_vlm_pipeline_saves_loads_and_answers_like_plai
         DrafterComponent.from_head(head, 5)
     with pytest.raises(ValueError, match="a flash drafter drafts chains"):
         DrafterComponent.from_head(head, tree=mmspec.TreeConfig(depth=2, top_k=2, num_nodes=4))
+
+
+def test_flash_defaults_follow_the_heads_slots_and_a_leading_image_is_refused(llava, flash_head):
+    from mmspec.pipelines import DrafterComponent
+    from mmspec.pipelines.train_config import TrainDrafterConfig
+
+    assert DrafterComponent.from_head(flash_head).config.num_draft_tokens == 3  # it was 4, then refused
+    cfg = TrainDrafterConfig(pipeline="-", drafter="flash", out="-", slots=3)
+    assert cfg.num_draft_tokens == 3 and cfg.ttt_steps == 0  # the unroll feeds features a FLASH head never reads
+    assert TrainDrafterConfig(pipeline="-", drafter="eagle", out="-").ttt_steps == 1
+    with pytest.raises(ValueError, match="a flash head never reads its own features"):
+        TrainDrafterConfig(pipeline="-", drafter="flash", out="-", ttt_steps=1)
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(0, 3)], seed=3)  # the image is the prompt's first token
+    with pytest.raises(ValueError, match="a prompt begins with an image token"):
+        mmspec.speculative_generate(model, FlashDrafter(model, flash_head, 2), ids, mask, temperature=0,
+                                    max_new_tokens=3, pixel_values=pixels)

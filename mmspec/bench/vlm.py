@@ -284,7 +284,8 @@ def run(cfg: VLMBenchConfig, progress=lambda m: None, checkpoint=None) -> dict:
     slots = {n: pipe.drafters[n].config.head_config["slots"] for n in names if pipe.drafters[n].config.kind == "flash"}
     if cfg.tree is not None:
         methods += [tree_variant(pipe, n, cfg.tree) for n in (cfg.tree_drafters or [n for n in names if n not in slots])]
-    methods += [auto_variant(pipe, n, cfg.auto_max_draft_tokens) for n in cfg.auto_drafters]
+    methods += [auto_variant(pipe, n, min(cfg.auto_max_draft_tokens, slots.get(n, cfg.auto_max_draft_tokens)))
+                for n in cfg.auto_drafters]  # (a FLASH head: at most its slots)
     for n in (cfg.length_drafters or names) if cfg.draft_lengths else ():
         comp = pipe.drafters[n].config
         saved = None if comp.tree_depth else comp.num_draft_tokens  # a chain of the saved K is row <name>
