@@ -41,6 +41,7 @@ from mmspec.tree import chain_parents
 from mmspec.types import Draft
 
 from .eagle_head import EagleHead, EagleHeadConfig, EagleHeadDrafter
+from .span_layout import compress_image_spans
 
 
 class FlashHead(EagleHead):
@@ -67,38 +68,17 @@ class FlashHead(EagleHead):
             is_img[:, -1] = False  # the last pair's token is the root: generated text
         if is_img is None or not bool(is_img.any()):  # SYNC: once per request
             return super().prepare(next_tokens, embeds, hidden, mask)
-        B, L, H = embeds.shape
         C = self.config.compress_len
         fused = self.fuse(embeds, hidden)
-        real_host, img_host = mask.bool().tolist(), is_img.tolist()  # SYNC: once per request
-        rows = []
-        for b in range(B):
-            start = real_host[b].index(True)
-            xs, src = [], []
-            t = start
-            while t < L:
-                e, kind = t, img_host[b][t]
-                while e < L and img_host[b][e] == kind:
-                    e += 1
-                if kind:  # pairs t..e-1 read image tokens t+1..e: the target's latents there
-                    if e - t < C:
-                        raise ValueError(f"an image span of {e - t} tokens is shorter than the compress_len={C} "
-                                         "tokens this FLASH head pools it into; use a head with a smaller compress_len")
-                    xs.append(self.pool(hidden[b, t + 1 : e + 1]))
-                    src.append(torch.arange(e - C, e, device=embeds.device))
-                else:
-                    xs.append(fused[b, t:e])
-                    src.append(torch.arange(t, e, device=embeds.device))
-                t = e
-            rows.append((torch.cat(xs), torch.cat(src), start))
-        Lc = max(r[0].shape[0] for r in rows)
-        x = embeds.new_zeros(B, Lc, H)
-        positions = torch.zeros(B, Lc, dtype=torch.long, device=embeds.device)
-        src = torch.zeros_like(positions)
-        mask2 = torch.zeros_like(positions)
-        for b, (xb, sb, start) in enumerate(rows):
-            n = xb.shape[0]
-            x[b, Lc - n:], positions[b, Lc - n:], src[b, Lc - n:], mask2[b, Lc - n:] = xb, sb - start, sb, 1
+
+        def image_inputs(b, t, e):  # pairs t..e-1 read image tokens t+1..e: the target's latents there
+            if e - t < C:
+                raise ValueError(f"an image span of {e - t} tokens is shorter than the compress_len={C} "
+                                 "tokens this FLASH head pools it into; use a head with a smaller compress_len")
+            return self.pool(hidden[b, t + 1 : e + 1])
+
+        x, positions, mask2, src = compress_image_spans(embeds, mask, is_img, image_inputs,
+                                                        lambda b, t, e: fused[b, t:e])
         return x, positions, mask2, src, None
 
     def forward_full(self, next_tokens, embeds, hidden, mask):

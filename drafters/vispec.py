@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .eagle_head import EagleHead, EagleHeadConfig, EagleHeadDrafter
+from .span_layout import compress_image_spans
 
 
 class ImageAdaptor(nn.Module):
@@ -98,41 +99,19 @@ class ViSpecHead(EagleHead):
             fast = self._prepare_one_span(embeds, hidden, mask, is_img, m)
             if fast is not None:
                 return fast
-        real_host, img_host = mask.bool().tolist(), is_img.tolist()  # SYNC: once per request
-        rows, globals_ = [], []
-        for b in range(B):
-            start = real_host[b].index(True)
-            g = torch.zeros(H, dtype=embeds.dtype, device=embeds.device)
-            xs, pos, src = [], [], []
-            t = start
-            while t < L:
-                e = t
-                kind = img_host[b][t]
-                while e < L and img_host[b][e] == kind:
-                    e += 1
-                if kind:
-                    if e - t < m:
-                        raise ValueError(f"an image span of {e - t} tokens is shorter than the {m} tokens ViSpec keeps")
-                    adapted = self.imadpt(embeds[b, t:e])
-                    xs.append(adapted[:-1])
-                    g = adapted[-1]
-                    idx = torch.arange(e - m, e, device=embeds.device)
-                else:
-                    xs.append(self.fuse(embeds[b, t:e], hidden[b, t:e], g))
-                    idx = torch.arange(t, e, device=embeds.device)
-                src.append(idx)
-                pos.append(idx - start)
-                t = e
-            rows.append((torch.cat(xs), torch.cat(pos), torch.cat(src)))
-            globals_.append(g)
-        Lc = max(r[0].shape[0] for r in rows)
-        x = embeds.new_zeros(B, Lc, H)
-        positions = torch.zeros(B, Lc, dtype=torch.long, device=embeds.device)
-        src = torch.zeros_like(positions)
-        mask2 = torch.zeros_like(positions)
-        for b, (xb, pb, sb) in enumerate(rows):
-            n = xb.shape[0]
-            x[b, Lc - n:], positions[b, Lc - n:], src[b, Lc - n:], mask2[b, Lc - n:] = xb, pb, sb, 1
+        globals_ = [torch.zeros(H, dtype=embeds.dtype, device=embeds.device) for _ in range(B)]  # g = 0 before an image
+
+        def image_inputs(b, t, e):
+            if e - t < m:
+                raise ValueError(f"an image span of {e - t} tokens is shorter than the {m} tokens ViSpec keeps")
+            adapted = self.imadpt(embeds[b, t:e])
+            globals_[b] = adapted[-1]  # the span's global vector, fused into the text after it
+            return adapted[:-1]
+
+        def text_inputs(b, t, e):
+            return self.fuse(embeds[b, t:e], hidden[b, t:e], globals_[b])
+
+        x, positions, mask2, src = compress_image_spans(embeds, mask, is_img, image_inputs, text_inputs)
         return x, positions, mask2, src, torch.stack(globals_)
 
     def _prepare_one_span(self, embeds, hidden, mask, is_img, m: int):
