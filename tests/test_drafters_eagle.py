@@ -137,21 +137,29 @@ class Recorded:
         self.rows, self.written = list(range(B)), [1] * B
 
 
-@pytest.mark.parametrize("kind", ["eagle", "vispec"])
-@torch.no_grad()
-def test_cached_features_equal_a_cache_free_forward(llava, kind):
-    model, _ = llava
-    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5)], seed=3)
-    drafter = make(model, kind, None, K=3)
+def recorded_run_and_cache_free_features(model, drafter, ids, mask, pixels, max_new_tokens=9):
+    """Decode greedily with the drafter's root features recorded, then run its head cache-free over
+    the decoded sequence: (recorder, sequences, features [B, L', H], source pair index [B, L'])."""
     rec = Recorded(drafter, ids.shape[1])
     rec.start(ids.shape[0])
-    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=9, pixel_values=pixels)
+    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=max_new_tokens,
+                                      pixel_values=pixels)
     seq = out.sequences
     full_mask = torch.cat([mask, torch.ones(seq.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
     hidden = model(input_ids=seq, attention_mask=full_mask, pixel_values=pixels, output_hidden_states=True).hidden_states[-1]
     feats = model.model.get_image_features(pixels, vision_feature_layer=-1, vision_feature_select_strategy="default")
     embeds = drafter.prompt_embeds(seq, torch.cat(list(feats.pooler_output)))
     f, _, _, src = drafter.head.forward_full(seq[:, 1:], embeds[:, 1:], hidden[:, :-1], full_mask[:, :-1])
+    return rec, seq, f, src
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+@torch.no_grad()
+def test_cached_features_equal_a_cache_free_forward(llava, kind):
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(1, 2), (4, 1), (2, 5)], seed=3)
+    drafter = make(model, kind, None, K=3)
+    rec, seq, f, src = recorded_run_and_cache_free_features(model, drafter, ids, mask, pixels)
     checked = 0
     for rows, roots, got in rec.log:
         for j, (b, r) in enumerate(zip(rows, roots)):

@@ -14,7 +14,8 @@ from mmspec.drafters import EagleHeadConfig
 from mmspec.drafters.flash import FlashDrafter, FlashHead
 
 from _eagle_helpers import llava_test_head
-from test_drafters_eagle import Recorded, ScriptedK, assert_sampled_like, greedy_rows_equal_plain, sharp_llava_and_joint
+from test_drafters_eagle import (ScriptedK, assert_sampled_like, greedy_rows_equal_plain,
+                                 recorded_run_and_cache_free_features, sharp_llava_and_joint)
 from test_vlm_llava import llava, llava_batch  # noqa: F401 (fixture)
 
 FLASH = dict(slots=3, compress_len=2)  # the tiny LLaVA has 4 image tokens per prompt
@@ -75,15 +76,7 @@ def test_placeholder_features_equal_a_cache_free_forward(llava, flash_head):
         return out
 
     drafter._catch_up = spy
-    rec = Recorded(drafter, ids.shape[1])
-    rec.start(ids.shape[0])
-    out = mmspec.speculative_generate(model, drafter, ids, mask, temperature=0, max_new_tokens=9, pixel_values=pixels)
-    seq = out.sequences
-    full_mask = torch.cat([mask, torch.ones(seq.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
-    hidden = model(input_ids=seq, attention_mask=full_mask, pixel_values=pixels, output_hidden_states=True).hidden_states[-1]
-    feats = model.model.get_image_features(pixels, vision_feature_layer=-1, vision_feature_select_strategy="default")
-    embeds = drafter.prompt_embeds(seq, torch.cat(list(feats.pooler_output)))
-    f, _, _, src = flash_head.forward_full(seq[:, 1:], embeds[:, 1:], hidden[:, :-1], full_mask[:, :-1])
+    rec, seq, f, src = recorded_run_and_cache_free_features(model, drafter, ids, mask, pixels)
     L = f.shape[1] // 3
     catch_ups = rec.log[1:]  # the first entry is the prompt's prefill (no placeholders recorded)
     assert len(catch_ups) == len(slots) > 2
