@@ -118,18 +118,12 @@ class FlashDrafter(EagleHeadDrafter):
                  max_draft_tokens: int | None = None):
         if not isinstance(head, FlashHead):
             raise TypeError(f"FlashDrafter needs a FlashHead, got {type(head).__name__}")
-        if tree is not None:
-            raise ValueError("FlashDrafter drafts chains (its head emits up to `slots` tokens per forward); a tree "
-                             "needs one forward per level: use an EagleHeadDrafter for trees")
         slots = head.config.slots
         num_draft_tokens = slots if num_draft_tokens is None else plain_number(num_draft_tokens)
         if num_draft_tokens == "auto" and max_draft_tokens is None:
             max_draft_tokens = slots
+        check_flash_chain(slots, num_draft_tokens, max_draft_tokens, tree)
         super().__init__(target, head, num_draft_tokens, None, max_draft_tokens)
-        if self.max_draft_nodes > slots:
-            what = "max_draft_tokens" if self.adaptive else "num_draft_tokens"
-            raise ValueError(f"{what}={self.max_draft_nodes} exceeds the head's slots={slots}: a FLASH head drafts at "
-                             f"most {slots} tokens per step")
         self._slot_feats = None  # [B, k - 1, H] this step's placeholder features
         self._root_input = None  # [B, 1, H] the root's head input right after the prompt's prefill
 
@@ -195,3 +189,17 @@ class FlashDrafter(EagleHeadDrafter):
             tokens.append(d)
         draft_probs = None if sampling.greedy else torch.stack(probs, 1)
         return Draft(tokens=torch.stack(tokens, 1), parents=chain_parents(B, K, feats.device), draft_probs=draft_probs)
+
+
+def check_flash_chain(slots: int, num_draft_tokens, max_draft_tokens, tree) -> None:
+    """A FLASH head drafts chains of at most `slots` tokens a step: refuse a tree, or a draft
+    length (with "auto": its `max_draft_tokens`) beyond the slots, by name. Shared by
+    `FlashDrafter` and a saved `DrafterComponent` (checked there before any weights load)."""
+    if tree:
+        raise ValueError("a flash drafter drafts chains (its head emits up to `slots` tokens per forward); a tree "
+                         "needs one forward per level: use an EagleHeadDrafter for trees")
+    name, most = (("max_draft_tokens", max_draft_tokens) if num_draft_tokens == "auto"
+                  else ("num_draft_tokens", num_draft_tokens))
+    if isinstance(most, int) and not isinstance(most, bool) and most > slots:
+        raise ValueError(f"{name}={most} exceeds the head's slots={slots}: a flash drafter drafts chains of at most its "
+                         f"head's slots={slots} tokens; pass {name} <= {slots} (or leave it out: the slots)")

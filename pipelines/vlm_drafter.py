@@ -64,13 +64,9 @@ class DrafterComponent(ModelMixin, ConfigMixin):
             raise ValueError(f"num_draft_tokens must be an int >= 1 or 'auto', got {num_draft_tokens!r}")
         check_max_draft_tokens(num_draft_tokens, max_draft_tokens, default=6, tree=tree_depth or None)
         if kind == "flash":  # FlashDrafter's limits, at construction (before the weights load)
-            slots = (head_config or {}).get("slots", 1)
-            most = max_draft_tokens if num_draft_tokens == "auto" else num_draft_tokens
-            if tree_depth or (most is not None and most > slots):
-                raise ValueError(f"a flash drafter drafts chains of at most its head's slots={slots} tokens; got "
-                                 f"num_draft_tokens={num_draft_tokens!r}, max_draft_tokens={max_draft_tokens!r}, "
-                                 f"tree_depth={tree_depth}: pass num_draft_tokens (or max_draft_tokens with 'auto') "
-                                 f"<= {slots}, and no tree")
+            from mmspec.drafters.flash import check_flash_chain
+
+            check_flash_chain((head_config or {}).get("slots", 1), num_draft_tokens, max_draft_tokens, tree_depth)
         if kind == "text":
             from transformers import AutoConfig, AutoModelForCausalLM
 
