@@ -45,3 +45,23 @@ def exclusive(target, drafter):
     finally:
         with _LOCK:
             _IN_USE.difference_update(keys)
+
+
+class PerThreadFlag:
+    """A bool attribute with one value per thread (a data descriptor): a flag one call sets does
+    not reach calls on other threads. Unset reads False; setting False drops the thread's entry."""
+
+    def __set_name__(self, owner, name):
+        self.key = f"_{name.lstrip('_')}_by_thread"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        return obj.__dict__.get(self.key, {}).get(threading.get_ident(), False)
+
+    def __set__(self, obj, value) -> None:
+        flags = obj.__dict__.setdefault(self.key, {})
+        if value:
+            flags[threading.get_ident()] = True
+        else:
+            flags.pop(threading.get_ident(), None)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +54,7 @@ from mmspec.acceptance import RULES, get_rule, is_position_keyed
 from mmspec.acceptance.lantern import lantern_k  # noqa: F401 (LANTERN's k for a codebook; imported from here too)
 from mmspec.engine import resolve_rule
 from mmspec.devices import check_dtype
+from mmspec.in_use import PerThreadFlag
 from mmspec.drafters import GuidedModelDrafter, JacobiDrafter, ModelDrafter, NullDrafter
 from mmspec.models.llamagen_gpt import LlamaGenGPT
 from mmspec.models.llamagen_sample import CFG_SCHEDULES, check_guidance_scale
@@ -311,13 +311,8 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             return drafter, name
         return d, type(d).__name__
 
-    @property
-    def _interrupt(self) -> bool:  # set in a callback: stops the call it runs in (per thread; kept across a nested call)
-        return self.__dict__.get("_interrupts", {}).get(threading.get_ident(), False)
-
-    @_interrupt.setter
-    def _interrupt(self, value) -> None:
-        self.__dict__.setdefault("_interrupts", {})[threading.get_ident()] = bool(value)
+    # set in a callback: stops the call it runs in (per thread; kept across a nested call)
+    _interrupt = PerThreadFlag()
 
     def __setattr__(self, name, value):
         # diffusers registers a component on assignment and fails on a value that is not an object
@@ -529,8 +524,7 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
         kwargs = dict(acceptance_kwargs or {}) if isinstance(acceptance, str) else None
         if acceptance == "lantern" and "k" not in kwargs:
             kwargs["k"] = lantern_k(V)
-        # Built and checked once, before any work (its greedy form at temperature 0); the object
-        # runs, and its `lossless` is what the stats report, a stopped run's too.
+        # Built and checked once, before any work (its greedy form at temperature 0): the object runs.
         rule = resolve_rule(acceptance, kwargs, SamplingConfig(temperature, top_k, top_p), target, drafter)
         if not speculative and not is_position_keyed(rule):
             # Plain decoding samples the target exactly; "invariant" keeps its position-keyed
