@@ -193,9 +193,10 @@ class ModelDrafter(DraftsWithPositionNoise):
         self._deferred = []  # plain steps' roots, appended at the next catch-up
         self._plain_steps = 0  # K = 0 steps since the drafter last ran
         self._cap = None
-        if self.adaptive:
+        if self.adaptive or max_new_tokens <= 1:
             # Deferred to the first step that drafts: a request the controller decodes plainly
-            # throughout never pays for the drafter's prompt prefill.
+            # throughout (or one whose only token comes from the target's prefill) never pays
+            # for the drafter's prompt prefill.
             self._prefill_args = (input_ids, attention_mask, slots)
             self.draft_calls = 0
             if isinstance(self.controller, WindowBandit):  # per-request choice (trees): a request begins

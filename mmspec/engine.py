@@ -343,6 +343,30 @@ def speculative_generate(
         return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
 
 
+def _check_draft(draft, rows: int, vocab: int, on_host: bool, drafter) -> None:
+    """A drafter written outside mmspec: its Draft's shapes, dtypes and (on the CPU, where the
+    read costs no sync) token range, checked before they reach the target's embedding lookup,
+    where a bad one failed as a raw IndexError (or a CUDA device-side assert)."""
+    name = type(drafter).__name__
+    if not isinstance(draft, Draft):
+        raise TypeError(f"{name}.propose must return a mmspec.types.Draft, got {type(draft).__name__}")
+    for field in ("tokens", "parents"):
+        t = getattr(draft, field)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 2 or t.shape[0] != rows:
+            raise ValueError(f"{name}.propose returned Draft.{field} of {getattr(t, 'dtype', type(t))} "
+                             f"{tuple(getattr(t, 'shape', ()))}; it must be a torch.long tensor [{rows} active rows, N]")
+    if draft.parents.shape != draft.tokens.shape:
+        raise ValueError(f"{name}.propose returned Draft.parents {tuple(draft.parents.shape)} for tokens "
+                         f"{tuple(draft.tokens.shape)}; they must have the same shape")
+    q = draft.draft_probs
+    if q is not None and (not isinstance(q, torch.Tensor) or tuple(q.shape) != (*draft.tokens.shape, vocab)):
+        raise ValueError(f"{name}.propose returned Draft.draft_probs {tuple(getattr(q, 'shape', ()))}; it must be "
+                         f"None or [{rows}, {draft.tokens.shape[1]}, {vocab}] (one distribution per drafted token)")
+    if on_host and draft.tokens.numel() and not 0 <= int(draft.tokens.min()) <= int(draft.tokens.max()) < vocab:
+        raise ValueError(f"{name}.propose drafted token ids outside the target's vocabulary 0..{vocab - 1} "
+                         f"(min {int(draft.tokens.min())}, max {int(draft.tokens.max())})")
+
+
 class _Loop:
     """The four calls of a step, timed per phase."""
 
@@ -366,6 +390,10 @@ class _Loop:
         # "sample the target" (the base class's vectorised verify, not overridden).
         self.plain_step = _plain_k0(rule)
         self.position_room: tuple[int, int] | None = None  # (position table size, padded prompt length)
+        # Chains the loop may shorten (`cappable`: ModelDrafter chains) are held to what can still be emitted.
+        self.end_cap = bool(getattr(drafter, "cappable", False))
+        # Drafts from a drafter written outside mmspec are checked before they reach the target.
+        self.foreign_drafter = not type(drafter).__module__.startswith("mmspec.")
         # Drafter-invariant sampling (acceptance="invariant"): the loop perturbs the target's
         # distributions with noise keyed by (seed, row, position) and hands drafters the same noise.
         self.noise = PositionNoise.for_request(generator, target.vocab_size) if getattr(
@@ -407,10 +435,16 @@ class _Loop:
             remaining = [emitter.max_new - emitter.new_tokens[r] for r in emitter.rows_host]
             k = self.controller.choose(len(emitter.rows_host), remaining)
             self.drafter.set_draft_length(k)
-        if self.position_room is not None:
-            # Root positions are prompt + emitted - 1, so a row's drafts may reach limit - 1 at most.
-            limit, length = self.position_room
-            self.drafter.cap_draft_length(max(limit - length - max(emitter.new_tokens[r] for r in rows), 0))
+        if self.end_cap:
+            # A step emits its accepted drafts and one more token, so a row with r tokens left can
+            # use at most r - 1 drafts: a longer chain in the last steps is drafted and verified
+            # for nothing (the longest row sets the batch's chain).
+            room = max(emitter.max_new - emitter.new_tokens[r] for r in rows) - 1
+            if self.position_room is not None:
+                # Root positions are prompt + emitted - 1, so a row's drafts may reach limit - 1 at most.
+                limit, length = self.position_room
+                room = min(room, limit - length - max(emitter.new_tokens[r] for r in rows))
+            self.drafter.cap_draft_length(max(room, 0))
         starts = [emitter.new_tokens[r] for r in rows] if self.noise is not None else None
         if starts is not None and self._set_noise is not None:  # draft slot j sits at position starts + j
             self._set_noise(lambda n, dtype, rows=rows, starts=starts: self.noise.race(
@@ -418,6 +452,8 @@ class _Loop:
         h0 = time.perf_counter()
         t0 = self.timer.mark()
         draft: Draft = self.drafter.propose(self.roots, self.sampling, self.generator)
+        if self.foreign_drafter:
+            _check_draft(draft, len(rows), self.target.vocab_size, emitter.on_host, self.drafter)
         t1 = self.timer.mark()
         h1 = time.perf_counter()
         tokens = torch.cat([self.roots.unsqueeze(1), draft.tokens], 1)  # [Ba, N+1]

@@ -88,7 +88,13 @@ class Drafter(Protocol):
     - `set_position_noise(noise | None)`: under a position-keyed rule (`acceptance="invariant"`)
       called before each `propose` with `noise(n, dtype) -> E [B, n, V]`, the verifier's Exp(1)
       race noise of the n positions after each row's root (None at a request's start): drafting
-      ``argmax(q / E)`` is then accepted wherever the verifier's perturbed argmax agrees."""
+      ``argmax(q / E)`` is then accepted wherever the verifier's perturbed argmax agrees.
+    - `cappable: bool` with `cap_draft_length(n)` (default: not capped): the loop may hold the
+      next chain to n drafts (what the longest row can still emit, or room before a position
+      table's end), called before each `propose`.
+
+    `propose` returns a `Draft` of `torch.long` tokens and parents `[active rows, N]`; for
+    drafters defined outside mmspec the loop checks that (and, on the CPU, the token ids)."""
 
     vocab_size: int
     max_draft_nodes: int  # the most nodes `propose` returns (the target reserves cache room)

@@ -113,12 +113,21 @@ def test_numpy_integers_are_taken_as_the_ints_they_hold(target, weak_drafter):
 
 def test_stats_count_only_emitted_tokens(target):
     ids, mask = left_padded([5, 4])
-    out = mmspec.speculative_generate(target, ModelDrafter(target, 8), ids, mask, temperature=0, max_new_tokens=3)
+    # A tree keeps its shape to the end (a chain is held to what can be emitted: below)
+    tree = mmspec.TreeConfig(depth=6, top_k=1, num_nodes=6)
+    out = mmspec.speculative_generate(target, ModelDrafter(target, tree=tree), ids, mask, temperature=0,
+                                      max_new_tokens=3)
     s = out.stats
     assert s.new_tokens == [3, 3]
-    # One verify step: 2 tokens emitted per row (the drafter proposed 8 and all were accepted).
+    # One verify step: 2 tokens emitted per row (the drafter proposed 6 and all were accepted).
     assert s.target_calls == 1 and s.mean_accepted_length == 2.0 and s.accepted_drafts == 4
-    assert s.verified_accepted == 16 and s.acceptance_cumulative == [1.0, 1.0]  # 2 of 8 drafts were emitted
+    assert s.verified_accepted == 12 and s.acceptance_cumulative == [1.0, 1.0]  # 2 of 6 drafts were emitted
+    # The chain drafts only the one token that can be emitted before the step's own (then the bonus)
+    out = mmspec.speculative_generate(target, ModelDrafter(target, 8), ids, mask, temperature=0, max_new_tokens=3)
+    s = out.stats
+    assert s.new_tokens == [3, 3] and s.nodes_per_step == [1]
+    assert s.target_calls == 1 and s.mean_accepted_length == 2.0 and s.accepted_drafts == 2
+    assert s.verified_accepted == 2 and s.acceptance_cumulative == [1.0]
 
 
 def test_summary_reports_distortion_of_lossy_rules(target, weak_drafter):
@@ -189,7 +198,10 @@ def test_per_position_acceptance_counts_only_positions_proposed(target):
     rates = s.acceptance_rate_per_position
     accepted = s.accept_counts + [0] * (len(s.offer_counts) - len(s.accept_counts))
     assert 0 < rates[0] < 1 and rates == [accepted[i] / s.offer_counts[i] for i in range(len(rates))]
-    assert s.offer_counts[0] == s.row_steps and all(a >= b for a, b in zip(s.offer_counts, s.offer_counts[1:]))
+    # every row-step that drafted offered position 0 (the last steps, with one token left, draft nothing)
+    drafting = sum(n for n, k in zip(s.active_rows, s.nodes_per_step) if k > 0)
+    assert 0 in s.nodes_per_step and s.offer_counts[0] == drafting
+    assert all(a >= b for a, b in zip(s.offer_counts, s.offer_counts[1:]))
     full = mmspec.TreeConfig(depth=3, top_k=2, num_nodes=10)  # every candidate kept: the best paths reach depth 3
     tree = mmspec.speculative_generate(target, ModelDrafter(target, tree=full), ids, mask, temperature=0,
                                        max_new_tokens=30).stats

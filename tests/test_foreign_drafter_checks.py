@@ -1,0 +1,72 @@
+"""A drafter written outside mmspec whose Draft is malformed (not a Draft, tokens of another
+dtype or row count, parents of another shape, draft_probs of another vocabulary, token ids past
+the target's vocabulary) is refused with a ValueError / TypeError naming the drafter and the
+field, before the tokens reach the target's embedding lookup (a raw IndexError before). A
+well-formed foreign drafter still decodes exactly like plain greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.types import Draft
+
+from conftest import left_padded
+from test_core_greedy import LENGTHS, reference
+
+
+class CustomDrafter:
+    """A minimal drafter of its own (the Drafter protocol): drafts `k` copies of the root,
+    then `mangle` edits the Draft."""
+
+    vocab_size = 40
+
+    def __init__(self, k=2, mangle=None):
+        self.k, self.mangle = k, mangle
+        self.max_draft_nodes = k
+
+    def prefill(self, input_ids, attention_mask, target_out, model_inputs, max_new_tokens):
+        pass
+
+    def propose(self, roots, sampling, generator):
+        B = roots.shape[0]
+        draft = Draft(tokens=roots.unsqueeze(1).repeat(1, self.k),
+                      parents=torch.arange(-1, self.k - 1).repeat(B, 1))
+        return self.mangle(draft) if self.mangle else draft
+
+    def commit(self, info, target_out):
+        pass
+
+    def select_rows(self, rows, rows_host):
+        pass
+
+
+def _run(target, drafter, n=6):
+    ids, mask = left_padded(LENGTHS)
+    return mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=n), ids, mask
+
+
+def test_a_well_formed_custom_drafter_runs_and_stays_lossless(target):
+    assert target.config.vocab_size == CustomDrafter.vocab_size
+    out, ids, mask = _run(target, CustomDrafter(k=2), n=10)
+    assert torch.equal(out.sequences, reference(target, ids, mask, 10))
+    assert out.stats.nodes_per_step[0] == 2
+
+
+@pytest.mark.parametrize("mangle, error, message", [
+    (lambda d: (d.tokens, d.parents), TypeError, r"CustomDrafter.propose must return a mmspec.types.Draft, got tuple"),
+    (lambda d: Draft(tokens=d.tokens + 40, parents=d.parents), ValueError,
+     r"CustomDrafter.propose drafted token ids outside the target's vocabulary 0\.\.39 \(min \d\d, max \d\d\)"),
+    (lambda d: Draft(tokens=d.tokens - 100, parents=d.parents), ValueError, r"outside the target's vocabulary"),
+    (lambda d: Draft(tokens=d.tokens.int(), parents=d.parents), ValueError,
+     r"Draft.tokens of torch.int32 \(4, 2\); it must be a torch.long tensor \[4 active rows, N\]"),
+    (lambda d: Draft(tokens=d.tokens[:2], parents=d.parents[:2]), ValueError, r"Draft.tokens of torch.int64 \(2, 2\)"),
+    (lambda d: Draft(tokens=d.tokens, parents=d.parents[:, :1]), ValueError,
+     r"Draft.parents \(4, 1\) for tokens \(4, 2\); they must have the same shape"),
+    (lambda d: Draft(tokens=d.tokens, parents=d.parents, draft_probs=torch.full((4, 2, 32), 1 / 32)), ValueError,
+     r"Draft.draft_probs \(4, 2, 32\); it must be None or \[4, 2, 40\]"),
+])
+def test_malformed_drafts_are_refused_by_name(target, mangle, error, message):
+    with pytest.raises(error, match=message):
+        _run(target, CustomDrafter(k=2, mangle=mangle))
