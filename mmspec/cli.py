@@ -412,6 +412,10 @@ def _reported(command: str, run) -> int:
     except _USER_ERRORS as e:
         if os.environ.get("MMSPEC_TRACEBACK"):
             raise
+        if isinstance(e, FileExistsError) and e.filename and not os.path.isdir(e.filename):
+            # (os.makedirs(..., exist_ok=True) raises it only where a file holds a folder's name)
+            raise SystemExit(f"mmspec {command}: {e.filename} is a file, not a folder; give the path of a folder "
+                             f"to write into (created if missing)") from None
         raise SystemExit(f"mmspec {command}: {e}") from None
 
 

@@ -64,22 +64,46 @@ def load_mar(path, dtype=None):
 def mar_defaults(path, pipe) -> dict:
     """Sampling defaults of a folder: the `eval_num_iter` / `eval_guidance` / `eval_temperature`
     that `mmspec testbed train-mar` stores in metrics.json, else MAR's 64 steps (at most one
-    per token), guidance 3.0 and temperature 1.0."""
+    per token), guidance 3.0 and temperature 1.0. A metrics.json that does not parse, or holds
+    one of those values in a form that cannot be used, is refused by name (it silently gave
+    the fallbacks before)."""
     out = {"num_iter": min(64, pipe.transformer.seq_len), "guidance_scale": 3.0, "temperature": 1.0}
     metrics = Path(path) / "metrics.json"
-    if metrics.is_file():
-        try:
-            cfg = json.loads(metrics.read_text()).get("config", {})
-        except ValueError:
-            cfg = {}
-        if isinstance(cfg.get("eval_num_iter"), int):
-            out["num_iter"] = cfg["eval_num_iter"]
-        if isinstance(cfg.get("eval_guidance"), (int, float)):
-            out["guidance_scale"] = float(cfg["eval_guidance"])
-        t = cfg.get("eval_temperature")
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0:
-            out["temperature"] = float(t)
+    if not metrics.is_file():
+        return out
+    cfg = read_metrics(metrics).get("config", {})
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{metrics}: 'config' is a {type(cfg).__name__}, not an object; fix or remove the file")
+
+    def number(key, whole, zero_ok):
+        v = cfg.get(key)
+        if v is None:
+            return None
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if zero_ok else v > 0)
+              and (not whole or float(v).is_integer()))
+        if not ok:
+            raise ValueError(f"{metrics}: config.{key} = {v!r} is not a {'whole ' if whole else ''}number "
+                             f"{'>=' if zero_ok else '>'} 0; fix or remove it (or pass the option on the command line)")
+        return int(v) if whole else float(v)
+
+    for key, name, whole, zero_ok in (("eval_num_iter", "num_iter", True, False),
+                                      ("eval_guidance", "guidance_scale", False, True),
+                                      ("eval_temperature", "temperature", False, False)):
+        v = number(key, whole, zero_ok)
+        if v is not None:
+            out[name] = v
     return out
+
+
+def read_metrics(metrics: Path) -> dict:
+    """A folder's metrics.json as a dict, or a ValueError naming the file."""
+    try:
+        data = json.loads(metrics.read_text())
+    except ValueError as err:
+        raise ValueError(f"{metrics} is not valid JSON ({err}); fix or remove the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{metrics} holds a {type(data).__name__}, not a JSON object; fix or remove the file")
+    return data
 
 
 def add_generate_options(p) -> None:

@@ -58,7 +58,8 @@ def test_bad_values_and_wrong_folders_end_in_a_message_not_a_traceback(tmp_path,
     for argv, message in [(["generate", "--model", str(vlm), "--class", "1", "--out", str(tmp_path / "o")],
                            r"mmspec generate: .* holds a SpeculativeVLMPipeline pipeline"),
                           (["bench", "--smoke", "--target-layers", "0"], r"mmspec bench: target_layers must be >= 2"),
-                          (["generate", "--class", "1", "--out", str(afile)], r"mmspec generate: .*File exists"),
+                          (["generate", "--class", "1", "--out", str(afile)],
+                           r"mmspec generate: .*a_file is a file, not a folder; give the path of a folder"),
                           (["testbed", "compare-vlm", str(vlm), str(vlm), "--scenes", "0"],
                            r"mmspec testbed compare-vlm: scenes must be an int >= 1")]:
         with pytest.raises(SystemExit, match=message):

@@ -236,3 +236,33 @@ def test_a_bad_warmup_chunks_is_refused_by_name(bad):
 
     with pytest.raises(ValueError, match="warmup_chunks"):
         MARBenchConfig(warmup_chunks=bad)
+
+
+def test_a_folders_unreadable_metrics_are_refused_not_replaced_by_defaults(tmp_path):
+    """mar_defaults / the bench's judge default read metrics.json; a file that did not parse, or
+    a value of the wrong type, silently gave MAR's 64 steps at temperature 1.0 and no judge."""
+    from types import SimpleNamespace
+
+    import mmspec.bench.mar as bench_mar
+    from mmspec.pipelines.mar_cli import mar_defaults
+
+    pipe = SimpleNamespace(transformer=SimpleNamespace(seq_len=16))
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"config": {"eval_num_iter": 4.0, "eval_temperature": 0.7, "eval_guidance": 0}}))
+    assert mar_defaults(tmp_path, pipe) == {"num_iter": 4, "guidance_scale": 0.0, "temperature": 0.7}
+    metrics.write_text(json.dumps({"config": {}}))
+    assert mar_defaults(tmp_path, pipe) == {"num_iter": 16, "guidance_scale": 3.0, "temperature": 1.0}
+    for bad, message in [({"config": {"eval_num_iter": 4.5}}, r"config.eval_num_iter = 4.5 is not a whole number > 0"),
+                         ({"config": {"eval_num_iter": "16"}}, r"config.eval_num_iter = '16' is not a whole number"),
+                         ({"config": {"eval_temperature": 0}}, r"config.eval_temperature = 0 is not a number > 0"),
+                         ({"config": {"eval_guidance": True}}, r"config.eval_guidance = True is not a number >= 0"),
+                         ({"config": [1]}, r"'config' is a list, not an object"),
+                         ([1, 2], r"holds a list, not a JSON object")]:
+        metrics.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            mar_defaults(tmp_path, pipe)
+    metrics.write_text(json.dumps({"config": {"eval_num_iter": 16}, "judge_vae_recon": {}})[:-1])  # one byte short
+    assert (bench_mar.JUDGE_DIR / "config.json").is_file()  # (the judge default reads metrics.json only then)
+    for read in (lambda: mar_defaults(tmp_path, pipe), lambda: bench_mar._judge_default(str(tmp_path))):
+        with pytest.raises(ValueError, match=r"metrics.json is not valid JSON .*; fix or remove the file"):
+            read()

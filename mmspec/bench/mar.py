@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -49,7 +48,7 @@ import torch
 from mmspec.cli_types import positive_int
 from mmspec.bench.report import partial_saver, save
 from mmspec.devices import check_device, device_name
-from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults
+from mmspec.pipelines.mar_cli import BUNDLED_MAR, MAKE_ONE, is_mar_folder, load_mar, mar_defaults, read_metrics
 from mmspec.testbed.judge_model import JUDGE_DIR
 
 METHODS = ("plain", "cspd", "cspd-self", "cspd-relaxed")
@@ -341,10 +340,7 @@ def _judge_default(model: str) -> str | None:
     metrics = Path(model) / "metrics.json"
     if not (JUDGE_DIR / "config.json").is_file() or not metrics.is_file():
         return None
-    try:
-        return str(JUDGE_DIR) if "judge_vae_recon" in json.loads(metrics.read_text()) else None
-    except ValueError:
-        return None
+    return str(JUDGE_DIR) if "judge_vae_recon" in read_metrics(metrics) else None
 
 
 def main(argv: list[str]) -> int:

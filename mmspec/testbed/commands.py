@@ -208,10 +208,8 @@ def add_subparsers(subparsers) -> None:
     from mmspec.testbed.vlm_compare import add_compare_command
 
     add_compare_command(sub)
-    try:
-        from mmspec.testbed.vq_train import add_vq_commands
-    except ImportError:
-        return
+    from mmspec.testbed.vq_train import add_vq_commands
+
     add_vq_commands(sub)
 
 
