@@ -1,7 +1,7 @@
 """Shared chain verification for discrete acceptance rules.
 
 A discrete rule is fully described by three per-candidate pieces (docs/algorithms.md section 1,
-"a unifying view"): the probability `alpha(x)` of accepting candidate x given the target
+"Relaxed rules, one view"): the probability `alpha(x)` of accepting candidate x given the target
 distribution p and the draft distribution q, the distribution to continue with after a
 rejection, and how the final (recovered / bonus) token is drawn. `ChainRule.verify` runs
 them for a whole batch of chains at once: one uniform per position, the accepted prefix is

@@ -1,5 +1,5 @@
 """Exact speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
-arXiv 2302.01318).
+arXiv 2302.01318; no reference code used: written from the papers' algorithm boxes).
 
 Accept draft x with probability min(1, p(x) / q(x)); at the first rejection draw from
 norm(max(p - q, 0)); after K acceptances draw the bonus token from p. The output is

@@ -1,7 +1,7 @@
 """Drafter-invariant verification: sampled output that does not depend on the drafter.
 
 Source: Daliri, Musco and Suresh, "Coupling without Communication and Drafter-Invariant
-Speculative Decoding" (arXiv 2408.07978, 2024). Every generated position t owns a Gumbel noise
+Speculative Decoding" (arXiv 2408.07978, 2024; no reference code used: written from the paper). Every generated position t owns a Gumbel noise
 vector g_t drawn from the request's seed alone (`mmspec.position_noise.PositionNoise`), and the
 token emitted there is ``argmax(log p_t + g_t)``: Gumbel-max sampling, an exact sample from the
 target's processed distribution p_t (temperature, top-k, top-p applied). Verification is greedy

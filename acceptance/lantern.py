@@ -236,5 +236,6 @@ def lantern_k(codebook_size: int) -> int:
     of LlamaGen's 16384 codes (6.1%), kept as a fraction (k = 1000 for V = 16384, 31 for the
     testbed's 512). Taken whole instead (min(1000, V - 1) = 511 of 512), delta = 0.1 lets a
     draft borrow mass from codes that look nothing like it and the testbed's images lost their
-    class (judge 22% vs 70% plain, benchmarks/results/imagegen_cpu.json of the earlier run)."""
+    class (judge 22% vs 70% plain: benchmarks/results/imagegen_cpu.json as of commit 7489e91, since
+    overwritten by later runs)."""
     return max(1, min(codebook_size - 1, round(codebook_size * 1000 / 16384)))

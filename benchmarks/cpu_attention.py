@@ -14,7 +14,7 @@ ratio of times (chosen / torch's) and its range, and the classes decided.
 
 Session 51 (2-core Xeon VM, 2 threads; docs/architecture.md, "Attention on CPU"): plain/fused
 time at 34-90 keys 0.4-0.8x at 4-16 rows and 2-9 queries, 1.2-2.7x at one row; end to end
-(15 rounds) batch 16 K = 2 0.95x, 81% pair batch 16 K = 3 0.96x, batch 4 K = 2 0.96x, batch 8
+(15 rounds, the first 3 untimed: 12 paired ratios; the printed output was not kept) batch 16 K = 2 0.95x, 81% pair batch 16 K = 3 0.96x, batch 4 K = 2 0.96x, batch 8
 K = 2 1.01x, batch 1 K = 3 1.00x; the image pipeline 1.01x at batch 8, 1.00x at batch 1.
 
     python benchmarks/cpu_attention.py --forms

@@ -7,8 +7,9 @@ holds a doubled batch, conditional rows `[0, B)` and unconditional rows `[B, 2B)
 `make_uncond`, e.g. LlamaGen's null class), runs both halves in the same drafter forward and
 hands the drafting code the guided logits, with the same scale or schedule as the target.
 Both halves advance, roll back and leave the batch together (the same scheme as
-`GuidedTarget`, applied to the drafter's own ragged cache). The CFG form is LlamaGen's
-(github.com/FoundationVision/LlamaGen, `autoregressive/models/generate.py`).
+`GuidedTarget`, applied to the drafter's own ragged cache). The CFG form is LlamaGen's (Sun et
+al. 2024, arXiv 2406.06525; github.com/FoundationVision/LlamaGen,
+`autoregressive/models/generate.py`).
 
 The schedule receives the index of the token being predicted (0 = the first new token),
 derived from the logical positions of the drafter's queries: index = position - prompt

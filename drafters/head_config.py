@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EagleHeadConfig:
-    """Shape of a draft head and what target it was built for (checked when it is attached)."""
+    """Shape of a draft head and what target it was built for. When a head is attached, its width,
+    vocabulary and image token are checked against the target (`check_head_fits`);
+    `target_model_type` is provenance only (a head of another model type with the same shapes
+    runs, losslessly, and simply drafts worse)."""
 
     hidden_size: int
     intermediate_size: int

@@ -1,11 +1,12 @@
 """`JacobiDrafter`: training-free self-drafting by Jacobi iteration, with coupled drafts.
 
-Sources: Speculative Jacobi Decoding (SJD; Teng et al. 2024, arXiv 2410.01699): the target
+Sources: Speculative Jacobi Decoding (SJD; Teng et al. 2024, arXiv 2410.01699; public code
+github.com/tyshiwo1/Accelerating-T2I-AR-with-SJD): the target
 verifies a window of W draft tokens in one forward; its own output at window position j
 (conditioned on the possibly wrong drafts before j) is the next iteration's draft for the
 position after j, so the unaccepted tail of the window is recycled instead of thrown away, and
 the positions that enter the window fresh are initialised with random tokens. Coupled drafts
-(SCD / MC-SJD, arXiv 2510.24211): each window position keeps its previous draft unless the
+(SCD / MC-SJD, So et al., arXiv 2510.24211; public code github.com/junhyukso/SCD): each window position keeps its previous draft unless the
 new distribution disagrees, so drafts stop flickering between iterations and the target's
 conditional outputs downstream stay valid:
 
@@ -149,7 +150,7 @@ class JacobiDrafter(DraftsWithPositionNoise):
             init_q = None
             q = known.masked_fill(~have.unsqueeze(-1), 1.0 / V)
         else:
-            init_q = self._init_q(known, have, sampling)
+            init_q = self._init_q(known, have)
             q = torch.where(have.unsqueeze(-1), known, init_q)
         if sampling.greedy:
             random_tokens = draw(torch.randint, V, (B, N), generator=generator, device=device)
@@ -214,7 +215,7 @@ class JacobiDrafter(DraftsWithPositionNoise):
         self.remaining = [self.remaining[r] for r in rows_host]
 
     # ---- internals -------------------------------------------------------------------------
-    def _init_q(self, known: torch.Tensor, have: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    def _init_q(self, known: torch.Tensor, have: torch.Tensor) -> torch.Tensor:
         """Distribution of the slots without recycled logits [B, N, V]."""
         B, N, V = known.shape
         uniform = torch.full_like(known, 1.0 / V)

@@ -396,14 +396,14 @@ class DraftLengthController:
                 if k == 0 and self.shadow_capable:
                     self._shadow_due = True  # a plain step whose drafter catch-up measures acceptance
                 else:
-                    k = self._probe_choice(k, rates, batch)
+                    k = self._probe_choice(k, rates)
                 self.probes += 1
         self.last_choice = k
         self.history.append(k)
         self.steps += 1
         return k
 
-    def _probe_choice(self, k: int, rates: dict[int, float | None], batch: int) -> int:
+    def _probe_choice(self, k: int, rates: dict[int, float | None]) -> int:
         """The K a probe tries instead of the choice `k`."""
         if k == 0:
             return self._best_drafting(rates)

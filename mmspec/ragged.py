@@ -287,6 +287,3 @@ class RaggedKV:
         self.length = self.length.index_select(0, rows)
         self.next_pos = self.next_pos.index_select(0, rows)
         self.length_host = [self.length_host[r] for r in rows_host]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)

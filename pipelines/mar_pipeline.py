@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline
 from diffusers.utils import BaseOutput, is_accelerate_available
@@ -288,8 +287,3 @@ def _load_component(root: str, name: str, loader, entry, torch_dtype):
         raise ValueError(f"{name}: the weights in {folder!r} do not match its config ("
                          + ", ".join(f"{k} {v[:6]}{' ...' if len(v) > 6 else ''}" for k, v in bad.items() if v) + ")")
     return model.eval()
-
-
-def to_numpy_images(images) -> np.ndarray:
-    """PIL list -> uint8 array [B, H, W, 3] (for metrics)."""
-    return np.stack([np.asarray(im) for im in images])

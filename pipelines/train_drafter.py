@@ -341,7 +341,9 @@ def step_loss(pipe, drafter, batch, config: TrainDrafterConfig):
 
 # ---- the loop -------------------------------------------------------------------------------------------
 def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
-    """Train (or resume) and save the drafter; returns {"losses": [...], "out": dir}."""
+    """Train (or resume) and save the drafter; returns {"losses": [...], "out": dir}. Seeds torch's
+    global RNG with `config.seed` first (the head's initialisation and the data order depend on
+    it), so the caller's own random stream is not where it was after this returns."""
     from tqdm import tqdm
 
     torch.manual_seed(config.seed)

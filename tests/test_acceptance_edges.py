@@ -90,7 +90,6 @@ def test_rows_with_different_outcomes_and_k1(name):
 
 @pytest.mark.parametrize("name", LOSSLESS_OR_RELAXED)
 def test_vocabulary_of_one(name):
-    V = 1
     gen = torch.Generator().manual_seed(0)
     cb = torch.randn(1, 2, generator=gen)
     rule = {

@@ -16,8 +16,6 @@ import mmspec
 from mmspec.adaptive_window import WindowBandit
 from mmspec.drafters import ModelDrafter
 
-from mmspec.drafters import EagleHeadConfig
-
 from conftest import left_padded
 from test_vlm_llava import llava  # noqa: F401  (a fixture)
 from test_core_sampling import SAMPLES, V, chi_square_p, joint_23, pair  # noqa: F401  (pair: a fixture)

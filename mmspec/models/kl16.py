@@ -1,7 +1,7 @@
 """MAR's KL-16 VAE as a diffusers `AutoencoderKL`, with a converter from the official
 `kl16.ckpt` layout.
 
-Source: github.com/LTH14/mar `models/vae.py` (the latent-diffusion `AutoencoderKL`:
+Source: MAR (Li et al. 2024, arXiv 2406.11838), github.com/LTH14/mar `models/vae.py` (the latent-diffusion `AutoencoderKL`:
 `Encoder` / `Decoder` with `down.{i}.block.{j}`, `down.{i}.attn.{j}`, `mid.block_1`, ...,
 and `quant_conv` / `post_quant_conv`), loaded there from `{"model": state_dict}` with
 `embed_dim=16, ch_mult=(1, 1, 2, 2, 4)`, ch=128, 2 res blocks per level, attention in the

@@ -1,5 +1,6 @@
 """`LlamaGenSpec`: the LlamaGen c2i GPT (`mmspec.models.llamagen_gpt`) as a forward spec of the
 speculative core, and `llamagen_target`, which builds the target (optionally with CFG).
+LlamaGen: Sun et al. 2024, arXiv 2406.06525; github.com/FoundationVision/LlamaGen.
 
 What: the "prompt" of a class-conditional request is its class label: `input_ids` [B, 1] hold
 class ids (`num_classes` = the CFG null class), embedded with the GPT's `class_embed` at

@@ -450,7 +450,7 @@ def stage_drafter(cfg: VLMTrainConfig, work: Path, log: dict, kind: str) -> dict
 
 
 # ---------------------------------------------------------------------- stage: eval
-def load_full(cfg: VLMTrainConfig, work: Path):
+def load_full(work: Path):
     from mmspec.pipelines.vlm import SpeculativeVLMPipeline
     from mmspec.pipelines.vlm_drafter import DrafterComponent
 
@@ -482,7 +482,7 @@ def stage_eval(cfg: VLMTrainConfig, work: Path, out_dir: Path) -> dict:
     from mmspec.testbed.vlm_eval import evaluate
     from mmspec.testbed.world import World
 
-    pipe = load_full(cfg, work)
+    pipe = load_full(work)
     val = World(seed=cfg.seed, split="validation", image_size=cfg.image_size).sample(cfg.n_val)
     quality = evaluate(pipe, val, max_new_tokens=cfg.max_new_tokens, progress=cfg.progress)
     accept = accepted_lengths(pipe, val[:cfg.accept_scenes], cfg.max_new_tokens) if pipe.drafters else {}
