@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import cached_arange, check_generator, draw, sample_from
+from mmspec.sampling import cached_arange, check_distributions, check_generator, draw, sample_from
 from mmspec.types import AcceptanceResult
 
 
@@ -37,6 +37,8 @@ def check_chain_inputs(
     if not target_probs.is_floating_point():
         raise ValueError(f"target_probs must be floating point probabilities, got dtype {target_probs.dtype}")
     V = target_probs.shape[2]
+    if V == 0:
+        raise ValueError("target_probs has an empty vocabulary (V = 0); a distribution needs at least one token")
     if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
         raise ValueError(f"draft_tokens must lie in [0, V={V}); got values outside that range")
     if draft_probs is not None:
@@ -45,21 +47,10 @@ def check_chain_inputs(
                 f"draft_probs must be None or have shape [B, K, V] = [{B}, {K}, {V}], "
                 f"got {tuple(getattr(draft_probs, 'shape', ()))}"
             )
-    # Probabilities, not logits: NaN / inf / negative entries went through and came out as NaN
-    # acceptance probabilities or distortion (the loop checks its own distributions; this is for
-    # direct callers of `verify`). SYNC: input validation.
-    for name, probs in (("target_probs", target_probs), ("draft_probs", draft_probs)):
-        if probs is not None and probs.numel() and not bool((torch.isfinite(probs) & (probs >= 0)).all()):
-            raise ValueError(f"{name} must hold finite non-negative probabilities (after softmax), got NaN, inf or "
-                             "negative entries; pass mmspec.process_logits(logits, ...) rather than logits")
-        # Rows that are not distributions (all zero, scaled) were taken: an all-zero target row fell
-        # back to uniform, a scaled one accepted every draft.
-        if probs is not None and probs.numel():
-            tol = 1e-6 if probs.dtype == torch.float64 else 1e-3 if probs.dtype == torch.float32 else 1e-2
-            worst = float((probs.sum(-1, dtype=torch.float64) - 1).abs().max())
-            if worst > tol:
-                raise ValueError(f"{name} rows must each sum to 1 (distributions over the vocabulary), got a row "
-                                 f"{worst:.3g} away; pass mmspec.process_logits(logits, ...)")
+    # Probabilities, not logits (the loop checks its own distributions; this is for direct
+    # callers of `verify`).
+    check_distributions("target_probs", target_probs)
+    check_distributions("draft_probs", draft_probs)
 
 
 class ChainRule:

@@ -18,6 +18,8 @@ applied to P and Q). The token inside the cluster is not: an accepted draft keep
 drafter's within-cluster choice q(. | c), a resampled one follows p(. | c). Because later
 positions are conditioned on the actual tokens, sequences of clusters over several steps are
 exact only when p's cluster marginals do not depend on the within-cluster choice.
+A draft the target gives probability 0 (one top-k / top-p removed) is accepted with P(c(x))
+like any other member of its cluster (counted in the distortion).
 Trees: rejecting a child removes its cluster, so a sibling of the same cluster is never
 accepted after it (SpecInfer on clusters).
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from .base import ChainRule
+from .exact import capped_ratio
 from mmspec.sampling import normalize
 
 
@@ -49,8 +52,10 @@ class ClusterExactAcceptance(ChainRule):
             raise ValueError("labels must have one entry per vocabulary token, got an empty tensor")
         if int(labels.min()) < 0:  # SYNC: validation
             raise ValueError("labels must be >= 0")
-        self.labels = labels.long()
-        self.num_clusters = int(labels.max()) + 1  # SYNC: validation
+        # Cluster ids are names: renumbered 0..C-1 (in id order), so an id like 2**40 costs no
+        # [M, 2**40] mass table (it was a 4.4 TB allocation on the first call).
+        ids, self.labels = torch.unique(labels.long(), return_inverse=True)
+        self.num_clusters = int(ids.numel())
         self.vocab_size = labels.numel()
 
     def _labels(self, p: torch.Tensor) -> torch.Tensor:
@@ -79,8 +84,8 @@ class ClusterExactAcceptance(ChainRule):
         P, Q, cx = self._masses(x, p, q)
         Pc = P.gather(-1, cx.unsqueeze(-1)).squeeze(-1)
         Qc = Q.gather(-1, cx.unsqueeze(-1)).squeeze(-1)
-        ratio = torch.where(Qc > 0, Pc / Qc.clamp_min(torch.finfo(p.dtype).tiny), (Pc > 0).to(p.dtype))
-        return ratio.clamp(max=1.0)
+        # (a floor under Q(c) before dividing skewed denormal masses: 1e-39 / 1e-40 gave 0.085)
+        return capped_ratio(Pc, Qc)
 
     def residual(self, x: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
         P, Q, _ = self._masses(x, p, q)

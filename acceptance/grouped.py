@@ -30,7 +30,8 @@ For one-hot drafts sum_G p >= p(x), so GSD never accepts less often than exact s
 With sampled drafts a cluster whose q outweighs its p can lower a candidate's ratio below
 p(x)/q(x); GSD then accepts more often only on average, on problems with look-alike tokens.
 
-Limits: lossy. The distortion reported per candidate is the over-accepted mass at x,
+Limits: lossy. A draft the target gives probability 0 (one top-k / top-p removed) can be
+accepted on its cluster's mass, as in the public code (counted in the distortion). The distortion reported per candidate is the over-accepted mass at x,
 `max(0, q(x) * alpha - p(x))`, which is the whole total-variation distance of the step for a
 one-hot draft; for sampled drafts the other tokens' over-acceptance is not included (it
 would need one cluster per vocabulary entry). Cost per candidate: one sort of p ([V]) and a

@@ -33,7 +33,9 @@ and stored as int16 (V <= 32768) or int32 indices in a module-level cache keyed 
 codebook tensor's storage, shape, dtype, device and version (the entry keeps the codebook alive,
 so that its address cannot be reused by another one).
 
-Limits: lossy; `delta=0`, `lam=1` or `k=0` give exact speculative sampling. `k=1000` costs
+Limits: lossy; `delta=0`, `lam=1` or `k=0` give exact speculative sampling. With `delta` a draft
+the target gives probability 0 (one top-k / top-p removed) can be accepted on its neighbours'
+mass, as in the published rule (counted in the distortion); with `lam` it cannot. `k=1000` costs
 a gather of B*K*1000 target probabilities per verification. `distortion` (c_J) is the step's
 whole shift from p only for one-hot drafts with the default `zero_neighbours="bound"`: with
 `zero_neighbours="k"` the residual also drops the neighbours that lent nothing, and with sampled

@@ -40,7 +40,10 @@ class GuidedTarget:
     `uncond_attention_mask` (one row per conditional row, left-padded) or from
     `make_uncond(input_ids, attention_mask, model_inputs) -> (ids, mask, model_inputs)`
     (e.g. LlamaGen: the null class). Tensor model inputs with a batch dimension are
-    concatenated [cond; uncond] (by default the uncond half reuses the cond inputs)."""
+    concatenated [cond; uncond] (by default the uncond half reuses the cond inputs; its
+    prompts must then hold the same image / video placeholder tokens, refused by name if not).
+    A VLM's image features (flattened per image token) are split between the halves by those
+    placeholders."""
 
     def __init__(
         self,
@@ -99,7 +102,9 @@ class GuidedTarget:
         return bool(getattr(self.target, "stop_requested", False))
 
     # ---- guidance ------------------------------------------------------------------------------
-    def _guide(self, out: TargetOutput, index: torch.Tensor) -> TargetOutput:
+    def _guide(self, out: TargetOutput, index: torch.Tensor, image_split: int | None = None) -> TargetOutput:
+        """Guided logits, and each half's features. `image_split`: the prefill's image features
+        come flattened per image token ([tokens, H], the conditional rows' first), not per row."""
         B = out.logits.shape[0] // 2
         cond, uncond = out.logits[:B], out.logits[B:]
         scale = self.schedule(index)
@@ -107,18 +112,19 @@ class GuidedTarget:
             scale = scale.to(cond.dtype).unsqueeze(-1)  # [B, Q, 1]
         guided = uncond + scale * (cond - uncond)
 
-        def half(sl) -> TargetOutput:
+        def half(sl, image_sl) -> TargetOutput:
             return TargetOutput(
                 logits=out.logits[sl],
                 hidden_states=None if out.hidden_states is None else out.hidden_states[sl],
                 layer_states={i: h[sl] for i, h in out.layer_states.items()},
-                image_features=None if out.image_features is None else out.image_features[sl],
+                image_features=None if out.image_features is None else out.image_features[image_sl],
                 positions=None if out.positions is None else out.positions[..., sl, :],
             )
 
-        result = half(slice(0, B))
+        split = B if image_split is None else image_split
+        result = half(slice(0, B), slice(0, split))
         result.logits = guided
-        result.uncond = half(slice(B, 2 * B))
+        result.uncond = half(slice(B, 2 * B), slice(split, None))
         return result
 
     def acceptance_tables(self) -> dict:
@@ -162,6 +168,20 @@ class GuidedTarget:
                 f"{max_draft_nodes} draft positions may need {need} positions, more than the target's position table "
                 f"holds ({self.max_positions}); shorten the unconditional prompts or lower max_new_tokens"
             )
+        placeholders = getattr(self.target, "placeholder_token_ids", None) or {}  # optional (HFTarget: a VLM's)
+        every = [t for ids in placeholders.values() for t in ids]
+        reused = [name for name in model_inputs if name not in u_inputs or u_inputs is model_inputs]
+        if every and reused:
+            per_row = [(ids.masked_fill(mask.to(ids.device) == 0, -1)[..., None] == torch.tensor(every, device=ids.device)
+                        ).any(-1).sum(1) for ids, mask in ((input_ids, attention_mask), (u_ids, u_mask))]
+            if not torch.equal(per_row[0], per_row[1].to(per_row[0].device)):  # SYNC: prefill check
+                raise ValueError(
+                    f"the unconditional prompts hold {per_row[1].tolist()} image / video placeholder tokens per row "
+                    f"where the conditional ones hold {per_row[0].tolist()}, but the unconditional half reuses the "
+                    f"conditional {', '.join(map(repr, reused))}; GuidedTarget needs the same placeholders in both "
+                    "halves (keep them in the unconditional prompts), or make_uncond must return that half's own "
+                    "model inputs"
+                )
         L = max(input_ids.shape[1], u_ids.shape[1])
         c_ids, c_mask = _left_pad(input_ids, attention_mask, L, self.pad_token_id)
         u_ids, u_mask = _left_pad(u_ids, u_mask.to(attention_mask.dtype), L, self.pad_token_id)
@@ -179,7 +199,21 @@ class GuidedTarget:
             torch.cat([c_ids, u_ids]), torch.cat([c_mask, u_mask]), inputs, max_new_tokens, max_draft_nodes, features
         )
         self.generated = torch.ones(B, dtype=torch.long, device=input_ids.device)
-        result = self._guide(out, torch.zeros(B, 1, dtype=torch.long, device=input_ids.device))
+        image_split = None
+        if out.image_features is not None:
+            # A VLM's features come flattened per image token, in row order (the conditional rows'
+            # tokens first); other targets' per row.
+            images = torch.tensor(placeholders.get("image", []), dtype=c_ids.dtype, device=c_ids.device)
+            tokens = (torch.cat([c_ids, u_ids])[..., None] == images).any(-1) & (torch.cat([c_mask, u_mask]) != 0)
+            if images.numel() and int(tokens.sum()) == out.image_features.shape[0]:  # SYNC: prefill
+                image_split = int(tokens[:B].sum())
+            elif out.image_features.shape[0] != 2 * B:
+                raise ValueError(
+                    f"the target returned {out.image_features.shape[0]} image features for {2 * B} rows and GuidedTarget "
+                    f"cannot tell which belong to the conditional half (it counts the target's image placeholder "
+                    f"tokens, {placeholders.get('image', [])}); run the image-feature drafter without guidance"
+                )
+        result = self._guide(out, torch.zeros(B, 1, dtype=torch.long, device=input_ids.device), image_split)
         extra = L - input_ids.shape[1]
         if extra:  # longer unconditional prompts padded the conditional rows: the drafter's features
             # must line up with the input_ids it was given (the padding added columns at the front)

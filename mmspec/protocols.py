@@ -44,7 +44,10 @@ class Target(Protocol):
       calls it for a request with `max_new_tokens=0`, which runs no prefill, so that a
       misspelt option is refused at every length; a target without it goes unchecked there.
     - `stop_requested: bool`: read after every step; True ends the request there (each row keeps
-      what it emitted, the stats count what ran). The image pipeline's callback stop uses it."""
+      what it emitted, the stats count what ran). The image pipeline's callback stop uses it.
+    - `placeholder_token_ids: dict[str, list[int]]` ("image" / "video"; default none): a VLM's
+      placeholder tokens, which `GuidedTarget` counts to split image features between its halves
+      and to check an unconditional half that reuses the conditional model inputs."""
 
     vocab_size: int
 

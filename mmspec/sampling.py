@@ -214,3 +214,22 @@ def normalize(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
         return weights / mass  # every row has mass (the usual case; checked on the host on a CPU)
     ok = mass > floor
     return torch.where(ok, weights / mass.clamp_min(torch.finfo(weights.dtype).tiny), fallback)
+
+
+def check_distributions(name: str, probs: torch.Tensor | None) -> None:
+    """Refuse rows that are not probability distributions (direct callers of a rule's `verify`
+    or of `mmspec.tree.verify_tree`; the loop checks its own): NaN / inf / negative entries came
+    out as NaN acceptance probabilities or distortion, an all-zero row fell back to uniform, a
+    scaled one accepted every draft. Rows normalised in float32 and then cast to float64 are
+    1e-6..1e-5 off 1 at large vocabularies, so the tolerance is 1e-3 from float32 up (1e-2 for
+    half precision): what it catches (logits, zeroed or scaled rows) is far off. SYNC."""
+    if probs is None or not probs.numel():
+        return
+    if not bool((torch.isfinite(probs) & (probs >= 0)).all()):
+        raise ValueError(f"{name} must hold finite non-negative probabilities (after softmax), got NaN, inf or "
+                         "negative entries; pass mmspec.process_logits(logits, ...) rather than logits")
+    tol = 1e-3 if probs.dtype in (torch.float32, torch.float64) else 1e-2
+    worst = float((probs.sum(-1, dtype=torch.float64) - 1).abs().max())
+    if worst > tol:
+        raise ValueError(f"{name} rows must each sum to 1 (distributions over the vocabulary), got a row "
+                         f"{worst:.3g} away; pass mmspec.process_logits(logits, ...)")

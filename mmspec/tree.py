@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import cached_arange, draw
+from mmspec.sampling import cached_arange, check_distributions, draw
 from mmspec.types import Draft, Verdict
 
 
@@ -58,12 +58,45 @@ def verify_tree(
     *,
     generator: torch.Generator | None = None,
 ) -> Verdict:
-    """Walk the tree with `rule`; returns the accepted path of verify positions."""
+    """Walk the tree with `rule`; returns the accepted path of verify positions. The inputs are
+    checked as a chain rule's `verify` checks them (token ids in the vocabulary, parents that
+    precede their children, rows that are distributions): a direct caller's NaN row or logits
+    came back as a verdict with NaN or negative distortion. The loop, whose inputs are well
+    formed, calls `verify_tree_unchecked` (no host sync)."""
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be a [B, N] tensor, got {getattr(draft_tokens, 'shape', type(draft_tokens))}")
+    if draft_tokens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"draft_tokens must hold integer token ids, got dtype {draft_tokens.dtype}")
     B, N = draft_tokens.shape
-    if tuple(parents.shape) != (B, N):
-        raise ValueError(f"parents must have the shape of draft_tokens {(B, N)}, got {tuple(parents.shape)}")
-    if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (B, N + 1):
-        raise ValueError(f"target_probs must have shape [B, N+1, V] = [{B}, {N + 1}, V], got {tuple(target_probs.shape)}")
+    if not isinstance(parents, torch.Tensor) or tuple(parents.shape) != (B, N) or parents.is_floating_point():
+        raise ValueError(f"parents must be an integer tensor of the shape of draft_tokens {(B, N)}, got "
+                         f"{getattr(parents, 'dtype', type(parents))} {tuple(getattr(parents, 'shape', ()))}")
+    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (B, N + 1):
+        raise ValueError(f"target_probs must have shape [B, N+1, V] = [{B}, {N + 1}, V], got "
+                         f"{tuple(getattr(target_probs, 'shape', ()))}")
+    if not target_probs.is_floating_point() or target_probs.shape[2] == 0:
+        raise ValueError(f"target_probs must be floating point probabilities over V >= 1 tokens, got "
+                         f"{target_probs.dtype} with V = {target_probs.shape[2]}")
+    V = target_probs.shape[2]
+    if N and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
+        raise ValueError(f"draft_tokens must lie in [0, V={V}); got values outside that range")
+    # node i's parent is the root (-1) or an earlier node: parents precede children
+    if N and not bool(((parents >= -1) & (parents < torch.arange(N, device=parents.device))).all()):
+        raise ValueError("parents[b, i] must be -1 (the root) or a node index < i (parents precede their children)")
+    check_distributions("target_probs", target_probs)
+    return verify_tree_unchecked(rule, draft_tokens, parents, target_probs, generator=generator)
+
+
+def verify_tree_unchecked(
+    rule,
+    draft_tokens: torch.Tensor,  # [B, N]
+    parents: torch.Tensor,  # [B, N], -1 = root
+    target_probs: torch.Tensor,  # [B, N+1, V], position 0 = root
+    *,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """`verify_tree` without its input checks (the loop's well-formed inputs)."""
+    B, N = draft_tokens.shape
     dtype = torch.float64 if target_probs.dtype == torch.float64 else torch.float32
     target_probs = target_probs.to(dtype)
     device = draft_tokens.device
@@ -119,7 +152,7 @@ def verify_draft(
     are well formed, so a rule's optional `verify_unchecked` (no validation, no host sync) is
     used when it has one (see `mmspec.protocols.AcceptanceRule`)."""
     if not draft.is_chain:
-        return verify_tree(rule, draft.tokens, draft.parents, target_probs, generator=generator)
+        return verify_tree_unchecked(rule, draft.tokens, draft.parents, target_probs, generator=generator)
     B, N = draft.tokens.shape
     chain_verify = getattr(rule, "verify_unchecked", None) or rule.verify
     res = chain_verify(draft.tokens, draft.draft_probs, target_probs, generator=generator)

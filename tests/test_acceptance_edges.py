@@ -262,3 +262,20 @@ def test_numpy_scalar_options_are_taken_as_the_numbers_they_hold():
         SamplingConfig(temperature=np.bool_(True))
     with pytest.raises(ValueError, match="top_k must be"):
         SamplingConfig(top_k=np.float32(3.0))
+
+
+def test_float32_rows_cast_to_float64_are_distributions_and_an_empty_vocabulary_is_refused():
+    """A float32 process_logits output cast to float64 was refused as 'not summing to 1' at large
+    vocabularies (the float64 tolerance was 1e-6; such rows are 1e-6..1e-5 off); an empty
+    vocabulary gave next_tokens of shape [B, 0] with no error."""
+    from mmspec.acceptance import ExactAcceptance
+
+    V = 152064
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(1, 1, V, generator=gen) * 4, -1).double()
+    p = p * (1 + 9e-6)  # the offset the review measured at this vocabulary
+    ExactAcceptance().verify(torch.zeros(1, 0, dtype=torch.long), None, p, generator=gen)
+    with pytest.raises(ValueError, match="rows must each sum to 1"):
+        ExactAcceptance().verify(torch.zeros(1, 0, dtype=torch.long), None, p * 1.01, generator=gen)
+    with pytest.raises(ValueError, match=r"empty vocabulary \(V = 0\)"):
+        ExactAcceptance().verify(torch.zeros(2, 0, dtype=torch.long), None, torch.zeros(2, 1, 0), generator=gen)

@@ -199,6 +199,35 @@ def test_cluster_exact_invalid_labels():
         rule.accept_probability(torch.tensor([0]), torch.full((1, 5), 0.2), None)
 
 
+def test_cluster_exact_ratio_of_denormal_masses_and_names_of_any_size():
+    """A floor under Q(c) before dividing skewed denormal cluster masses (1e-39 / 1e-40 gave an
+    acceptance of 0.085, not 1); a cluster id like 2**40 made a [M, 2**40] mass table on the
+    first call. Ids are names: renumbering them changes nothing."""
+    labels = torch.tensor([0, 0, 1, 1])
+    rule = ClusterExactAcceptance(labels)
+    x = torch.tensor([0, 0])
+    p = torch.tensor([[0.5e-39, 0.5e-39, 0.5, 0.5], [1.5e-39, 1.5e-39, 0.5, 0.5]], dtype=torch.float32)
+    q = torch.tensor([[0.5e-40, 0.5e-40, 0.5, 0.5], [3e-39, 3e-39, 0.5, 0.5]], dtype=torch.float32)
+    alpha = rule.accept_probability(x, p, q)
+    assert alpha[0] == 1.0 and abs(float(alpha[1]) - 0.5) < 1e-3  # P/Q: 1e-39/1e-40 -> 1, 3e-39/6e-39
+    named = ClusterExactAcceptance(torch.tensor([7, 7, 2 ** 40, 2 ** 40]))
+    assert named.num_clusters == 2
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 4, 4, generator=gen), -1)
+    drafts = torch.softmax(torch.randn(3, 3, 4, generator=gen), -1)
+    tokens = torch.multinomial(drafts.reshape(-1, 4), 1, generator=gen).view(3, 3)
+    for a, b in [(rule.accept_probability(tokens[:, 0], probs[:, 0], drafts[:, 0]),
+                  named.accept_probability(tokens[:, 0], probs[:, 0], drafts[:, 0])),
+                 (rule.residual(tokens[:, 0], probs[:, 0], drafts[:, 0]),
+                  named.residual(tokens[:, 0], probs[:, 0], drafts[:, 0])),
+                 (rule.distortion(tokens[:, 0], probs[:, 0], drafts[:, 0]),
+                  named.distortion(tokens[:, 0], probs[:, 0], drafts[:, 0]))]:
+        assert torch.equal(a, b)
+    out = named.verify(tokens, drafts, probs, generator=torch.Generator().manual_seed(1))
+    ref = rule.verify(tokens, drafts, probs, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out.num_accepted, ref.num_accepted) and torch.equal(out.next_tokens, ref.next_tokens)
+
+
 @pytest.mark.parametrize("window", [1, 2, 5, 14, 40])
 def test_float32_window_by_integer_key_matches_reference_transcription(window):
     """float32 probabilities take the sort-free path (two top-k over an exact integer key) and the

@@ -102,3 +102,32 @@ def test_lantern_rejected_sibling_removes_its_lent_neighbours():
     # Rows that accepted nothing draw from p with tokens 0 and 1 removed.
     rest = res.next_tokens[res.num_accepted == 0]
     assert chi_square_pvalue(rest, torch.tensor([0, 0, 0.2, 0.15, 0.1, 0.1]) / 0.55) > P_MIN
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_verify_tree_refuses_what_a_chain_verify_refuses(name):
+    """verify_tree checked shapes only: a NaN row, logits, all-zero or scaled rows came back as a
+    verdict (NaN or negative distortion), an out-of-vocabulary id as a raw index error, and a
+    parent after its child was silently an unreachable node."""
+    rule = RULES[name]()
+    B, M = 2, 3
+    parents = torch.tensor([[-1, -1, 0]] * B)
+    tokens = torch.tensor([[1, 2, 3]] * B)
+    good = torch.softmax(torch.randn(B, M + 1, V, generator=torch.Generator().manual_seed(0)), -1).double()
+    verify_tree(rule, tokens, parents, good, generator=torch.Generator().manual_seed(0))  # well formed: runs
+    # a float32 distribution cast to float64 is still one (rows ~1e-6 off 1 at large V)
+    verify_tree(rule, tokens, parents, good.float().double() * (1 + 5e-6), generator=torch.Generator().manual_seed(0))
+    nan = good.clone()
+    nan[0, 0, 0] = float("nan")
+    for probs, message in [(nan, "finite non-negative probabilities"), (good.log(), "finite non-negative"),
+                           (torch.zeros_like(good), "rows must each sum to 1"), (good * 10, "rows must each sum to 1")]:
+        with pytest.raises(ValueError, match=message):
+            verify_tree(rule, tokens, parents, probs)
+    for toks, pars, message in [(torch.tensor([[1, V, 3]] * B), parents, r"draft_tokens must lie in \[0, V=12\)"),
+                                (torch.tensor([[1, -2, 3]] * B), parents, r"draft_tokens must lie in \[0, V=12\)"),
+                                (tokens, torch.tensor([[-1, 2, 0]] * B), "parents precede their children"),
+                                (tokens, torch.tensor([[-5, -1, 0]] * B), "parents precede their children"),
+                                (tokens.float(), parents, "integer token ids"),
+                                (tokens, parents.float(), "parents must be an integer tensor")]:
+        with pytest.raises(ValueError, match=message):
+            verify_tree(rule, toks, pars, good)

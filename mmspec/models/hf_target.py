@@ -220,6 +220,13 @@ class HFTarget(SpecTarget):
         check_rope_switch(self.model, attention_mask, max_new_tokens, max_draft_nodes)
         return super().prefill(input_ids, attention_mask, model_inputs, max_new_tokens, max_draft_nodes, *args, **kwargs)
 
+    @property
+    def placeholder_token_ids(self) -> dict[str, list[int]]:
+        """A VLM's image / video placeholder token ids (empty lists for a text model): what
+        `GuidedTarget` counts to pair each half's prompts with its model inputs and features."""
+        config = getattr(self.model, "config", None)
+        return {kind: placeholder_ids(config, (kind,)) for kind in ("image", "video")}
+
     def acceptance_tables(self) -> dict:
         """Tables rules named by string can use: GSD clusters by input-embedding distance."""
         return {"embeddings": self.model.get_input_embeddings().weight.detach()}

@@ -1,0 +1,93 @@
+"""Classifier-free guidance (`GuidedTarget`) over a VLM target (tiny LLaVA, float64, four
+left-padded rows with their images at different offsets).
+
+- The image-feature drafters (EAGLE chain and tree, ViSpec, FLASH) read their image features
+  per half: a VLM returns them flattened per image token, and the conditional half used to get
+  the first B of them (4 of 16 here), so every such drafter was refused ("16 image tokens in
+  the prompt but 4 image features"). Greedy output now equals the guided reference decoded
+  without drafts (NullDrafter), token for token.
+- An unconditional prompt without the image, while the unconditional half reuses the
+  conditional `pixel_values`, is refused by name (transformers' own "Image features and image
+  tokens do not match" before)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmspec
+from mmspec.drafters import EagleHeadDrafter, FlashDrafter, JacobiDrafter, ViSpecDrafter
+from mmspec.drafters.null_drafter import NullDrafter
+from mmspec.models import HFTarget
+from mmspec.types import FeatureRequest
+
+from _eagle_helpers import distilled_head
+from test_vlm_llava import IMG, llava, llava_batch  # noqa: F401 (llava: a fixture)
+
+N = 8
+
+
+def _keep_image(ids, mask, inputs):
+    """The unconditional prompt: the image kept, the text after it replaced by token 5."""
+    u = ids.clone()
+    for b in range(u.shape[0]):
+        last = int((u[b] == IMG).nonzero().flatten()[-1])
+        u[b, last + 1:] = 5
+    return u, mask, inputs
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return llava_batch([(1, 2), (4, 1), (2, 5), (6, 3)], seed=7)
+
+
+def test_image_feature_drafters_under_guidance_equal_the_guided_reference(llava, batch):
+    model, _ = llava
+    ids, mask, pixels = batch
+    inputs = {"pixel_values": pixels}
+    V = model.config.text_config.vocab_size
+
+    def guided():
+        return mmspec.GuidedTarget(model, 1.5, make_uncond=_keep_image)
+
+    ref = mmspec.speculative_generate(guided(), NullDrafter(V), ids, mask, max_new_tokens=N, temperature=0, **inputs)
+    # what each half hands a drafter: the conditional half's features are the plain target's
+    request = FeatureRequest(last_hidden=True, image_features=True)
+    plain = HFTarget(model).prefill(ids, mask, dict(inputs), N, 3, request)
+    out = guided().prefill(ids, mask, dict(inputs), N, 3, request)
+    assert plain.image_features.shape[0] == 16  # 4 rows x 4 image tokens
+    assert torch.allclose(out.image_features, plain.image_features)
+    assert torch.allclose(out.uncond.image_features, plain.image_features)  # the same images, reused
+    eagle = distilled_head(model, "eagle", ids, mask, inputs, steps=40)
+    vispec = distilled_head(model, "vispec", ids, mask, inputs, steps=40, num_q=3)
+    flash = distilled_head(model, "flash", ids, mask, inputs, steps=40, slots=3, compress_len=2)
+    drafters = {"eagle": lambda: EagleHeadDrafter(model, eagle, 3),
+                "eagle tree": lambda: EagleHeadDrafter(model, eagle, tree=mmspec.TreeConfig(depth=3, top_k=2,
+                                                                                            num_nodes=6)),
+                "vispec": lambda: ViSpecDrafter(model, vispec, 3), "flash": lambda: FlashDrafter(model, flash),
+                "jacobi": lambda: JacobiDrafter(3, vocab_size=V)}
+    accepted = 0
+    for name, make in drafters.items():
+        out = mmspec.speculative_generate(guided(), make(), ids, mask, max_new_tokens=N, temperature=0, **inputs)
+        assert torch.equal(out.sequences, ref.sequences), name
+        accepted += out.stats.accepted_drafts
+    assert accepted > 0  # (drafts were accepted, not only replaced)
+
+
+def test_an_unconditional_prompt_without_the_image_is_refused_by_name(llava, batch):
+    model, _ = llava
+    ids, mask, pixels = batch
+    V = model.config.text_config.vocab_size
+
+    def drop_image(i, m, inputs):
+        u = i.masked_fill(i == IMG, 5)
+        return u, m, {}  # pixel_values not given for this half: the conditional ones would be reused
+
+    for target in (mmspec.GuidedTarget(model, 1.5, make_uncond=drop_image),
+                   mmspec.GuidedTarget(model, 1.5, uncond_input_ids=ids.masked_fill(ids == IMG, 5),
+                                       uncond_attention_mask=mask)):
+        with pytest.raises(ValueError, match=r"unconditional prompts hold \[0, 0, 0, 0\] image / video placeholder "
+                                             r"tokens per row where the conditional ones hold \[4, 4, 4, 4\].*"
+                                             r"reuses the conditional 'pixel_values'"):
+            mmspec.speculative_generate(target, NullDrafter(V), ids, mask, max_new_tokens=2, temperature=0,
+                                        pixel_values=pixels)
