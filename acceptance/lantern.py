@@ -84,6 +84,9 @@ def nearest_neighbours(codebook: torch.Tensor, k: int, *, normalize_codebook: bo
     index_dtype = torch.int16 if V <= 32768 else torch.int32
     out = torch.empty(V, k, dtype=index_dtype, device=emb.device)
     if k > 0:
+        # Centred first (distances do not change): codes sharing a large common offset lost
+        # their neighbour order to cancellation in |a|^2 + |b|^2 - 2 a.b (float32).
+        emb = emb - emb.mean(0)
         sq = (emb * emb).sum(-1)
         rows = max(1, _CHUNK_ELEMENTS // max(V, 1))
         for start in range(0, V, rows):
