@@ -343,14 +343,30 @@ def step_loss(pipe, drafter, batch, config: TrainDrafterConfig):
 def train_drafter(config: TrainDrafterConfig, pipe=None) -> dict:
     """Train (or resume) and save the drafter; returns {"losses": [...], "out": dir}. Seeds torch's
     global RNG with `config.seed` first (the head's initialisation and the data order depend on
-    it), so the caller's own random stream is not where it was after this returns."""
+    it), so the caller's own random stream is not where it was after this returns. A `pipe`
+    given by the caller has its target moved to `config.device` (it stays there); the target's
+    `requires_grad` flags and train / eval mode, which training sets for the teacher, are put
+    back as they were."""
+    if pipe is None:
+        return _train_drafter(config, load_target_pipeline(config.pipeline))
+    target = pipe.target
+    flags = [(p, p.requires_grad) for p in target.parameters()]
+    modes = [(m, m.training) for m in target.modules()]
+    try:
+        return _train_drafter(config, pipe)
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        for m, mode in modes:  # per module: a model may keep some parts in eval mode on purpose
+            m.training = mode
+
+
+def _train_drafter(config: TrainDrafterConfig, pipe) -> dict:
     from tqdm import tqdm
 
     torch.manual_seed(config.seed)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    if pipe is None:
-        pipe = load_target_pipeline(config.pipeline)
     pipe.target.to(config.device).requires_grad_(False).eval()  # the teacher runs without dropout
     if config.drafter == "text":
         check_text_drafter(pipe.target)  # before minutes of regenerated answers

@@ -77,6 +77,31 @@ def test_train_checkpoint_resume_and_load(setup, tmp_path):
         TrainDrafterConfig(pipeline="-", drafter="medusa", out="x")
 
 
+def test_the_callers_target_keeps_its_flags_and_mode(setup, tmp_path):
+    """Training froze (requires_grad False) and switched to eval mode the target of a pipeline
+    the caller passed in, for good."""
+    pipe, folder = setup
+    params = list(pipe.target.parameters())
+    original = [(p, p.requires_grad) for p in params], [(m, m.training) for m in pipe.target.modules()]
+    frozen = params[0]
+    before = [p.requires_grad for p in params]
+    frozen.requires_grad_(not before[0])  # a mix of flags, to see each one restored
+    before[0] = not before[0]
+    pipe.target.train()
+    pipe.target.get_input_embeddings().eval()  # a part kept in eval mode on purpose
+    modes = [m.training for m in pipe.target.modules()]
+    try:
+        train_drafter(TrainDrafterConfig(pipeline="-", drafter="eagle", data=str(folder), answer_tokens=6, batch_size=2,
+                                         lr=1e-3, steps=1, progress=False, out=str(tmp_path / "c")), pipe=pipe)
+        assert [p.requires_grad for p in params] == before and not all(before) and any(before)
+        assert [m.training for m in pipe.target.modules()] == modes and False in modes and True in modes
+    finally:  # the fixture's state as this test found it
+        for p, flag in original[0]:
+            p.requires_grad_(flag)
+        for m, mode in original[1]:
+            m.training = mode
+
+
 
 def test_a_resume_never_mixes_targets_answers_or_training_settings(setup, tmp_path):
     """An --out folder written for one target was resumed for another (its answers and head reused,
