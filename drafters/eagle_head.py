@@ -334,6 +334,18 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
             raise ValueError(f"draft length must be an int in 0..{self.max_draft_nodes}, got {k!r}")
         self.k = k
 
+    @property
+    def cappable(self) -> bool:
+        """Chains only: the loop may shorten a step's chain (`cap_draft_length`)."""
+        return self.tree is None
+
+    def cap_draft_length(self, cap: int) -> None:
+        """At most `cap` drafts this step (what the longest row can still emit; a fixed K comes
+        back at the next request). Called after `set_draft_length`."""
+        if not self.cappable:
+            raise ValueError("cap_draft_length needs a chain drafter (no tree)")
+        self.k = min(self.k, max(int(cap), 0))
+
     # ---- the target's shared pieces -------------------------------------------------------------
     def embed(self, tokens):
         return self.spec.embed(tokens).to(self._dtype)
@@ -366,6 +378,8 @@ class EagleHeadDrafter(DraftsWithPositionNoise):
         region = (2 * cfg.depth + cfg.depth * cfg.top_k) if cfg else 3 * self.num_draft_tokens
         self._max_slots = input_ids.shape[1] + max_new_tokens + region + 4
         self.kv = None
+        if not self.adaptive:  # a fixed chain's K, shortened by the loop in a request's last steps
+            self.k = self.max_draft_nodes
         self._shift_max = None  # host bound of pos_shift, set by _prefill_head
         self._deferred = False
         self._after_plain = False

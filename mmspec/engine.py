@@ -126,8 +126,9 @@ def _check_positions(target, drafter, length: int, max_new_tokens: int) -> int |
     `n_positions`): plain decoding feeds positions up to length + max_new_tokens - 2, and a
     step's drafts reach up to `max_draft_nodes` positions past its root (the last step's
     root included), where the lookup would fail deep in the forward. A chain drafter that can
-    be capped (`cappable`: ModelDrafter chains) is instead held, step by step, to the room left
-    before the table's end: returns that table size, or None when no cap is needed."""
+    be capped (`cappable`: ModelDrafter and head-drafter chains) is instead held, step by step,
+    to the room left before the table's end: returns that table size, or None when no cap is
+    needed."""
     if max_new_tokens == 0:
         return None
     # How far past its root a step's drafts reach: a tree's depth (not its node count); none when
@@ -390,7 +391,8 @@ class _Loop:
         # "sample the target" (the base class's vectorised verify, not overridden).
         self.plain_step = _plain_k0(rule)
         self.position_room: tuple[int, int] | None = None  # (position table size, padded prompt length)
-        # Chains the loop may shorten (`cappable`: ModelDrafter chains) are held to what can still be emitted.
+        # Chains the loop may shorten (`cappable`: ModelDrafter, the EAGLE / ViSpec / FLASH heads) are
+        # held to what can still be emitted.
         self.end_cap = bool(getattr(drafter, "cappable", False))
         # Drafts from a drafter written outside mmspec are checked before they reach the target.
         self.foreign_drafter = not type(drafter).__module__.startswith("mmspec.")

@@ -16,6 +16,7 @@ from mmspec.drafters import ModelDrafter
 
 from conftest import left_padded
 from test_core_greedy import LENGTHS, reference
+from test_vlm_llava import llava  # noqa: F401 (a fixture)
 
 
 def test_perfect_drafter_drafts_only_what_can_be_emitted(target):
@@ -59,3 +60,28 @@ def test_sampled_rows_emit_exactly_max_new_tokens(target, good_drafter):
                                       max_new_tokens=7, generator=g)
     assert out.stats.new_tokens == [7] * len(LENGTHS)
     assert out.stats.nodes_per_step[0] == 5 and max(out.stats.nodes_per_step) <= 5
+
+
+@pytest.mark.parametrize("kind, K", [("eagle", 5), ("vispec", 4), ("flash", 3)])
+def test_head_drafter_chains_are_held_too(llava, kind, K):
+    """The EAGLE / ViSpec / FLASH heads' fixed chains get the same cap (LLaVA batch of 4, ragged,
+    a row ending at EOS): output equals plain greedy decoding row by row, no step drafts more
+    than the loop's cap, the cap bit in the last steps, and K comes back for the next request."""
+    from mmspec.drafters import EagleHeadDrafter, FlashDrafter, ViSpecDrafter
+
+    from _eagle_helpers import llava_test_head
+    from test_drafters_eagle import greedy_rows_equal_plain
+
+    model, _ = llava
+    config = dict(slots=3, compress_len=2) if kind == "flash" else {}
+    head = llava_test_head(model, kind, **config)
+    drafter = {"eagle": EagleHeadDrafter, "vispec": ViSpecDrafter, "flash": FlashDrafter}[kind](model, head, K)
+    caps = []
+    cap = drafter.cap_draft_length
+    drafter.cap_draft_length = lambda n: (caps.append(n), cap(n))[1]
+    for _ in range(2):  # a second request starts again from the fixed K
+        caps.clear()
+        out = greedy_rows_equal_plain(model, drafter)
+        steps = out.stats.nodes_per_step
+        assert len(caps) == len(steps) and all(n <= min(K, c) for n, c in zip(steps, caps))
+        assert steps[0] == K and min(caps) < K and out.stats.accepted_drafts > 0

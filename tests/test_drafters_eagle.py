@@ -295,11 +295,12 @@ class ScriptedK:
     changes are exercised deterministically); it records what the loop reported."""
 
     def __init__(self, ks):
-        self.ks, self.i, self.seen, self.skipped = list(ks), 0, [], []
+        self.ks, self.i, self.seen, self.skipped, self.room = list(ks), 0, [], [], []
 
     def choose(self, rows, remaining=None):
         k = self.ks[self.i % len(self.ks)]
         self.i += 1
+        self.room.append(max(remaining) - 1)  # the drafts the step's longest row can still use
         return k
 
     def skip_draft_cost_once(self):
@@ -326,7 +327,9 @@ def test_auto_draft_length_greedy_equals_generate(llava, kind, script):
     ks = out.stats.nodes_per_step
     expected = [i for i, k in enumerate(ks) if k > 0 and (i == 0 or ks[i - 1] == 0)]
     assert drafter.controller.skipped == expected
-    assert out.stats.nodes_per_step[: len(script)] == [script[i] for i in range(min(len(script), len(out.stats.nodes_per_step)))]
+    # the script's K, held to what the longest row can still emit
+    ran = out.stats.nodes_per_step[: len(script)]
+    assert ran == [min(script[i], drafter.controller.room[i]) for i in range(len(ran))]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "vispec"])
@@ -416,18 +419,19 @@ def test_plain_steps_land_after_each_rows_own_pending_pairs(llava, kind):
 
 
 def test_auto_draft_length_exact_sampling(llava):
-    """Exact sampling with K switching between 0 and 2: the first three tokens follow the
-    enumerated joint of plain sampling (chi-square) and a hotter joint is rejected."""
+    """Exact sampling with K switching between 1 and 0 (three new tokens: at most one draft can
+    be emitted before a step's own token, so the loop holds K = 2 to 1): the first three tokens
+    follow the enumerated joint of plain sampling (chi-square) and a hotter joint is rejected."""
     model, ids, pixels, joint = sharp_llava_and_joint(llava)
     n = 3000
     head = distilled_head(model, "eagle", ids, torch.ones_like(ids), {"pixel_values": pixels})
     drafter = EagleHeadDrafter(model, head, "auto", max_draft_tokens=2)
-    drafter.controller = ScriptedK([0, 2, 1])
+    drafter.controller = ScriptedK([2, 0])
     out = mmspec.speculative_generate(model, drafter, ids.expand(n, -1), acceptance="exact", temperature=1.0, top_k=4,
                                       max_new_tokens=3, pixel_values=pixels.expand(n, -1, -1, -1),
                                       generator=torch.Generator().manual_seed(13))
     assert_sampled_like(out, ids, joint, n)
-    assert {0, 2} <= set(out.stats.nodes_per_step)  # plain and drafting steps both ran
+    assert out.stats.nodes_per_step[:2] == [1, 0]  # a drafting step (K = 2 held to 1), then a plain one
     s = out.stats  # (an untrained head drafted outside the top 4: no draft was ever accepted)
     assert 0.05 * s.drafted_nodes < s.verified_accepted < 0.9 * s.drafted_nodes  # 876 of 6000 when written
 

@@ -72,7 +72,8 @@ def test_placeholder_features_equal_a_cache_free_forward(llava, flash_head):
 
     def spy(roots):
         out = catch_up(roots)
-        slots.append(drafter._slot_feats.clone())
+        # (None where the loop held the chain to one token in the last steps: no placeholders)
+        slots.append(None if drafter._slot_feats is None else drafter._slot_feats.clone())
         return out
 
     drafter._catch_up = spy
@@ -87,10 +88,10 @@ def test_placeholder_features_equal_a_cache_free_forward(llava, flash_head):
                 continue
             where = (src[b, :L] == r - 1).nonzero().flatten()[-1]
             torch.testing.assert_close(got[j], f[b, where])
-            for i in range(2):
+            for i in range(0 if placeholders is None else placeholders.shape[1]):
                 torch.testing.assert_close(placeholders[j, i], f[b, (i + 1) * L + where])
-            checked += 1
-    assert checked >= 6
+                checked += i == 1
+    assert checked >= 6  # rows whose two placeholders were both checked
 
 
 def test_exact_sampling_is_distributed_like_plain(llava):
