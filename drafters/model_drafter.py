@@ -166,7 +166,7 @@ class ModelDrafter(DraftsWithPositionNoise):
         else:  # a tree's node count: per request, by measured speed (a tree has no per-position acceptance)
             self.controller = WindowBandit(tree.num_nodes)
         self.k = num_draft_tokens if tree is None else tree.num_nodes  # this step's draft size (the loop sets it)
-        self._cap: int | None = None  # a request's room before a position table's end (`cap_draft_length`)
+        self._cap: int | None = None  # the loop's cap this step (`cap_draft_length`)
         self._drafted = 0  # tokens the last chain drafted (k, or fewer when it ended at EOS)
         self._stop = ChainStop()
         self.max_draft_nodes = tree.num_nodes if tree is not None else num_draft_tokens
@@ -193,10 +193,10 @@ class ModelDrafter(DraftsWithPositionNoise):
         self._deferred = []  # plain steps' roots, appended at the next catch-up
         self._plain_steps = 0  # K = 0 steps since the drafter last ran
         self._cap = None
-        if self.adaptive or max_new_tokens <= 1:
+        if self.adaptive or max_new_tokens <= (2 if self.cappable else 1):
             # Deferred to the first step that drafts: a request the controller decodes plainly
-            # throughout (or one whose only token comes from the target's prefill) never pays
-            # for the drafter's prompt prefill.
+            # throughout never pays for the drafter's prompt prefill, nor one that no step can
+            # draft for (one new token: the prefill's; two: a capped chain's one step drafts 0).
             self._prefill_args = (input_ids, attention_mask, slots)
             self.draft_calls = 0
             if isinstance(self.controller, WindowBandit):  # per-request choice (trees): a request begins
@@ -297,8 +297,9 @@ class ModelDrafter(DraftsWithPositionNoise):
         return self.tree is None and not self.static
 
     def cap_draft_length(self, cap: int) -> None:
-        """At most `cap` drafts this step (the loop's room before a position table's end; the
-        cap lasts until the next call or request)."""
+        """At most `cap` drafts this step: what the longest row can still emit (r tokens left:
+        r - 1 drafts) or the room before a position table's end, whichever is less (the cap
+        lasts until the next call or request)."""
         if not self.cappable:
             raise ValueError("cap_draft_length needs a chain drafter with dynamic shapes (no tree, static=False)")
         self._cap = int(cap)

@@ -366,6 +366,11 @@ def _check_draft(draft, rows: int, vocab: int, on_host: bool, drafter) -> None:
     if on_host and draft.tokens.numel() and not 0 <= int(draft.tokens.min()) <= int(draft.tokens.max()) < vocab:
         raise ValueError(f"{name}.propose drafted token ids outside the target's vocabulary 0..{vocab - 1} "
                          f"(min {int(draft.tokens.min())}, max {int(draft.tokens.max())})")
+    N = draft.tokens.shape[1]
+    if on_host and not draft.is_chain and N and not bool(
+            ((draft.parents >= -1) & (draft.parents < torch.arange(N, device=draft.parents.device))).all()):
+        raise ValueError(f"{name}.propose returned a tree whose parents[b, i] are not all -1 (the root) or a node "
+                         f"index < i (parents precede their children)")
 
 
 class _Loop:

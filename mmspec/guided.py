@@ -42,6 +42,8 @@ class GuidedTarget:
     (e.g. LlamaGen: the null class). Tensor model inputs with a batch dimension are
     concatenated [cond; uncond] (by default the uncond half reuses the cond inputs; its
     prompts must then hold the same image / video placeholder tokens, refused by name if not).
+    `make_uncond` may return an input as None: the uncond half has none of it (e.g. text-only
+    unconditional prompts on a VLM: `{"pixel_values": None}`, prompts without image tokens).
     A VLM's image features (flattened per image token) are split between the halves by those
     placeholders."""
 
@@ -170,17 +172,30 @@ class GuidedTarget:
             )
         placeholders = getattr(self.target, "placeholder_token_ids", None) or {}  # optional (HFTarget: a VLM's)
         every = [t for ids in placeholders.values() for t in ids]
-        reused = [name for name in model_inputs if name not in u_inputs or u_inputs is model_inputs]
-        if every and reused:
+        unknown = [name for name in u_inputs if name not in model_inputs]
+        if unknown:  # (they were dropped without a word)
+            raise ValueError(f"make_uncond returned model inputs {unknown} that the conditional rows do not have; both "
+                             "halves run in one forward, so give them to the request too or leave them out")
+        # Per input: the conditional tensor itself (not returned, or returned as is), or None (the
+        # unconditional half has none of it: e.g. no images).
+        reused = [name for name, v in model_inputs.items() if u_inputs.get(name, v) is v]
+        absent = [name for name in model_inputs if name in u_inputs and u_inputs[name] is None]
+        if every and (reused or absent):
             per_row = [(ids.masked_fill(mask.to(ids.device) == 0, -1)[..., None] == torch.tensor(every, device=ids.device)
                         ).any(-1).sum(1) for ids, mask in ((input_ids, attention_mask), (u_ids, u_mask))]
-            if not torch.equal(per_row[0], per_row[1].to(per_row[0].device)):  # SYNC: prefill check
+            if reused and not torch.equal(per_row[0], per_row[1].to(per_row[0].device)):  # SYNC: prefill check
                 raise ValueError(
                     f"the unconditional prompts hold {per_row[1].tolist()} image / video placeholder tokens per row "
                     f"where the conditional ones hold {per_row[0].tolist()}, but the unconditional half reuses the "
                     f"conditional {', '.join(map(repr, reused))}; GuidedTarget needs the same placeholders in both "
                     "halves (keep them in the unconditional prompts), or make_uncond must return that half's own "
-                    "model inputs"
+                    "model inputs (None for one it has none of)"
+                )
+            if absent and not reused and bool(per_row[1].any()):
+                raise ValueError(
+                    f"make_uncond returned None for {', '.join(map(repr, absent))} (none for the unconditional half), "
+                    f"but the unconditional prompts hold {per_row[1].tolist()} image / video placeholder tokens per "
+                    "row; take the placeholders out of those prompts, or return that half's own inputs"
                 )
         L = max(input_ids.shape[1], u_ids.shape[1])
         c_ids, c_mask = _left_pad(input_ids, attention_mask, L, self.pad_token_id)
@@ -189,7 +204,16 @@ class GuidedTarget:
         for name, value in model_inputs.items():
             other = u_inputs.get(name, value)
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == B:
-                inputs[name] = torch.cat([value, other], 0)
+                if other is None:  # the unconditional rows have none of it (checked above for placeholders)
+                    inputs[name] = value
+                elif not isinstance(other, torch.Tensor) or other.shape[1:] != value.shape[1:]:
+                    raise ValueError(
+                        f"make_uncond returned model input {name!r} as {type(other).__name__} "
+                        f"{tuple(getattr(other, 'shape', ()))}; it must be None or a tensor [n, "
+                        f"{', '.join(map(str, value.shape[1:]))}] like the conditional rows' {tuple(value.shape)}"
+                    )
+                else:
+                    inputs[name] = torch.cat([value, other.to(value.device)], 0)
             else:
                 raise ValueError(
                     f"model input {name!r} has no batch dimension of size {B}; GuidedTarget cannot split it into "

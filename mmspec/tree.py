@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import cached_arange, check_distributions, draw
+from mmspec.sampling import cached_arange, check_distributions, check_generator, draw
 from mmspec.types import Draft, Verdict
 
 
@@ -77,11 +77,12 @@ def verify_tree(
     if not target_probs.is_floating_point() or target_probs.shape[2] == 0:
         raise ValueError(f"target_probs must be floating point probabilities over V >= 1 tokens, got "
                          f"{target_probs.dtype} with V = {target_probs.shape[2]}")
+    check_generator(generator)
     V = target_probs.shape[2]
-    if N and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
+    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
         raise ValueError(f"draft_tokens must lie in [0, V={V}); got values outside that range")
     # node i's parent is the root (-1) or an earlier node: parents precede children
-    if N and not bool(((parents >= -1) & (parents < torch.arange(N, device=parents.device))).all()):
+    if parents.numel() and not bool(((parents >= -1) & (parents < torch.arange(N, device=parents.device))).all()):
         raise ValueError("parents[b, i] must be -1 (the root) or a node index < i (parents precede their children)")
     check_distributions("target_probs", target_probs)
     return verify_tree_unchecked(rule, draft_tokens, parents, target_probs, generator=generator)

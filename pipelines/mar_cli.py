@@ -83,7 +83,7 @@ def mar_defaults(path, pipe) -> dict:
               and (not whole or float(v).is_integer()))
         if not ok:
             raise ValueError(f"{metrics}: config.{key} = {v!r} is not a {'whole ' if whole else ''}number "
-                             f"{'>=' if zero_ok else '>'} 0; fix or remove it (or pass the option on the command line)")
+                             f"{'>=' if zero_ok else '>'} 0; fix or remove it")
         return int(v) if whole else float(v)
 
     for key, name, whole, zero_ok in (("eval_num_iter", "num_iter", True, False),

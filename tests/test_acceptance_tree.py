@@ -131,3 +131,7 @@ def test_verify_tree_refuses_what_a_chain_verify_refuses(name):
                                 (tokens, parents.float(), "parents must be an integer tensor")]:
         with pytest.raises(ValueError, match=message):
             verify_tree(rule, toks, pars, good)
+    with pytest.raises(TypeError, match="generator"):
+        verify_tree(rule, tokens, parents, good, generator=0)
+    empty = verify_tree(rule, tokens[:0], parents[:0], good[:0])  # no rows: an empty verdict, as for chains
+    assert empty.num_accepted.shape == (0,)

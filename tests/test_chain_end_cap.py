@@ -30,12 +30,14 @@ def test_perfect_drafter_drafts_only_what_can_be_emitted(target):
     assert out.stats.new_tokens == [4]
 
 
-def test_one_new_token_runs_no_drafter_forward(target):
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_or_two_new_tokens_run_no_drafter_forward(target, n):
+    """One new token comes from the target's prefill; with two, the one step can use no draft."""
     ids, mask = left_padded(LENGTHS)
     drafter = ModelDrafter(target, 4)
-    out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=1)
-    assert torch.equal(out.sequences, reference(target, ids, mask, 1))
-    assert out.stats.draft_calls == 0 and out.stats.nodes_per_step == []
+    out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=n)
+    assert torch.equal(out.sequences, reference(target, ids, mask, n))
+    assert out.stats.draft_calls == 0 and out.stats.nodes_per_step == [0] * (n - 1)
     # the drafter is still usable for a longer request afterwards
     out = mmspec.speculative_generate(target, drafter, ids, mask, temperature=0, max_new_tokens=6)
     assert torch.equal(out.sequences, reference(target, ids, mask, 6))

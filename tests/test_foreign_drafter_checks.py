@@ -70,3 +70,20 @@ def test_a_well_formed_custom_drafter_runs_and_stays_lossless(target):
 def test_malformed_drafts_are_refused_by_name(target, mangle, error, message):
     with pytest.raises(error, match=message):
         _run(target, CustomDrafter(k=2, mangle=mangle))
+
+
+def test_a_custom_tree_with_parents_after_their_children_is_refused(target):
+    def tree(d, parents):
+        return Draft(tokens=d.tokens.repeat(1, 2)[:, :3], parents=torch.tensor(parents).repeat(d.tokens.shape[0], 1), is_chain=False)
+
+    ok = CustomDrafter(k=2, mangle=lambda d: tree(d, [-1, -1, 0]))
+    ok.max_draft_nodes = 3
+    out, ids, mask = _run(target, ok, n=8)
+    assert torch.equal(out.sequences, reference(target, ids, mask, 8))
+    for parents in ([-1, 0, 3], [-1, 5, 0], [-1, -3, 0]):
+        bad = CustomDrafter(k=2, mangle=lambda d, parents=parents: tree(d, parents))
+        bad.max_draft_nodes = 3
+        with pytest.raises(ValueError, match=r"CustomDrafter.propose returned a tree whose parents\[b, i\] are not "
+                                             r"all -1 \(the root\) or a node index < i"):
+            _run(target, bad)
+

@@ -91,3 +91,54 @@ def test_an_unconditional_prompt_without_the_image_is_refused_by_name(llava, bat
                                              r"reuses the conditional 'pixel_values'"):
             mmspec.speculative_generate(target, NullDrafter(V), ids, mask, max_new_tokens=2, temperature=0,
                                         pixel_values=pixels)
+
+
+def test_text_only_unconditional_prompts_with_no_images(llava):
+    """make_uncond may return an input as None: the unconditional half has none of it. Text-only
+    unconditional prompts on LLaVA (the usual VLM CFG) then decode like a hand-written CFG loop
+    over the two unpadded halves; the placeholder check still refuses None beside image tokens,
+    and inputs make_uncond returns in a wrong form, or that the request lacks, are named."""
+    model, _ = llava
+    ids, mask, pixels = llava_batch([(2, 3), (2, 3)], seed=5)  # equal lengths: no padding in either half
+    V, scale = model.config.text_config.vocab_size, 2.0
+    text = ids[:, -3:]  # the unconditional prompts: the text after the image alone
+
+    def text_only(i, m, inputs):
+        return text, torch.ones_like(text), {"pixel_values": None}
+
+    target = mmspec.GuidedTarget(model, scale, make_uncond=text_only)
+    out = mmspec.speculative_generate(target, NullDrafter(V), ids, mask, max_new_tokens=N, temperature=0,
+                                      pixel_values=pixels)
+    cond, uncond = ids, text
+    with torch.no_grad():
+        for _ in range(N):  # the reference: both halves recomputed in full, guided argmax appended to both
+            c = model(input_ids=cond, pixel_values=pixels).logits[:, -1]
+            u = model(input_ids=uncond).logits[:, -1]
+            nxt = (u + scale * (c - u)).argmax(-1, keepdim=True)
+            cond, uncond = torch.cat([cond, nxt], 1), torch.cat([uncond, nxt], 1)
+    assert torch.equal(out.sequences, cond)
+    with torch.no_grad():  # (the guidance matters here: the conditional half alone decodes otherwise)
+        alone = ids
+        for _ in range(N):
+            alone = torch.cat([alone, model(input_ids=alone, pixel_values=pixels).logits[:, -1:].argmax(-1)], 1)
+    assert not torch.equal(alone, cond)
+    eagle = distilled_head(model, "eagle", ids, mask, {"pixel_values": pixels}, steps=20)
+    drafted = mmspec.speculative_generate(mmspec.GuidedTarget(model, scale, make_uncond=text_only),
+                                          EagleHeadDrafter(model, eagle, 3), ids, mask, max_new_tokens=N,
+                                          temperature=0, pixel_values=pixels)
+    assert torch.equal(drafted.sequences, cond)
+
+    def refuse(make, message):
+        with pytest.raises(ValueError, match=message):
+            mmspec.speculative_generate(mmspec.GuidedTarget(model, scale, make_uncond=make), NullDrafter(V), ids,
+                                        mask, max_new_tokens=2, temperature=0, pixel_values=pixels)
+
+    refuse(lambda i, m, inputs: (i, m, {"pixel_values": None}),
+           r"returned None for 'pixel_values' \(none for the unconditional half\), but the unconditional prompts hold "
+           r"\[4, 4\] image / video placeholder tokens per row")
+    refuse(lambda i, m, inputs: (text, torch.ones_like(text), dict(inputs)),  # a copy of the dict: still the same tensor
+           r"reuses the conditional 'pixel_values'")
+    refuse(lambda i, m, inputs: (i, m, {"pixel_values": [1, 2]}), r"make_uncond returned model input 'pixel_values' "
+           r"as list \(\); it must be None or a tensor \[n, 3, 16, 16\]")
+    refuse(lambda i, m, inputs: (i, m, {"pixel_values": pixels, "image_sizes": torch.ones(2, 2)}),
+           r"make_uncond returned model inputs \['image_sizes'\] that the conditional rows do not have")
