@@ -399,8 +399,10 @@ class _Loop:
         # Chains the loop may shorten (`cappable`: ModelDrafter, the EAGLE / ViSpec / FLASH heads) are
         # held to what can still be emitted.
         self.end_cap = bool(getattr(drafter, "cappable", False))
-        # Drafts from a drafter written outside mmspec are checked before they reach the target.
-        self.foreign_drafter = not type(drafter).__module__.startswith("mmspec.")
+        # Drafts that a `propose` written outside mmspec made are checked before they reach the target
+        # (a user subclass of an mmspec drafter that keeps its `propose` is not).
+        propose = getattr(type(drafter), "propose", None)
+        self.foreign_drafter = not getattr(propose, "__module__", "").startswith("mmspec.")
         # Drafter-invariant sampling (acceptance="invariant"): the loop perturbs the target's
         # distributions with noise keyed by (seed, row, position) and hands drafters the same noise.
         self.noise = PositionNoise.for_request(generator, target.vocab_size) if getattr(

@@ -97,7 +97,8 @@ class Drafter(Protocol):
       table's end), called before each `propose`.
 
     `propose` returns a `Draft` of `torch.long` tokens and parents `[active rows, N]`; for
-    drafters defined outside mmspec the loop checks that (and, on the CPU, the token ids)."""
+    a `propose` written outside mmspec the loop checks that (and, on the CPU, the token ids and a
+    tree's parents)."""
 
     vocab_size: int
     max_draft_nodes: int  # the most nodes `propose` returns (the target reserves cache room)

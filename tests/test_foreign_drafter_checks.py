@@ -87,3 +87,28 @@ def test_a_custom_tree_with_parents_after_their_children_is_refused(target):
                                              r"all -1 \(the root\) or a node index < i"):
             _run(target, bad)
 
+
+
+def test_only_a_propose_written_outside_mmspec_is_checked(target, monkeypatch):
+    """A user subclass of an mmspec drafter that keeps mmspec's `propose` pays no per-step check
+    (benchmarks subclass ModelDrafter to count things; their timings stay comparable)."""
+    import mmspec.engine as engine
+    from mmspec.drafters import ModelDrafter
+
+    calls = []
+    check = engine._check_draft
+    monkeypatch.setattr(engine, "_check_draft", lambda *a: (calls.append(1), check(*a))[1])
+
+    class Counting(ModelDrafter):
+        def commit(self, info, target_out):
+            super().commit(info, target_out)
+
+    class Overriding(ModelDrafter):
+        def propose(self, roots, sampling, generator):
+            return super().propose(roots, sampling, generator)
+
+    for cls, checked in ((Counting, False), (Overriding, True)):
+        calls.clear()
+        out, ids, mask = _run(target, cls(target, 3), n=6)
+        assert torch.equal(out.sequences, reference(target, ids, mask, 6))
+        assert (len(calls) == len(out.stats.nodes_per_step)) if checked else not calls
