@@ -22,6 +22,8 @@ from mmspec.drafters import ModelDrafter
 from mmspec.models.hf_target import HFTarget
 from mmspec.stats import SpecStats
 
+if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+    sys.exit(__doc__)
 pair, B = sys.argv[1], int(sys.argv[2])
 torch.set_num_threads(2)
 pc, target, drafter = named_pair(pair)

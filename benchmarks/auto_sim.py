@@ -10,7 +10,10 @@ engine, 113 / 70 steps at K = 2 / 7 on the 81% pair, equal). This script
 
 1. `traces`: computes L for the prompts `auto_replay.py` uses (8 calls of each batch size);
 2. `run`: replays the controller on traces + a cost table, calling `begin_request`, `choose`,
-   `skip_draft_cost_once` and `observe` as the loop does, with every step charged its table
+   `skip_draft_cost_once` and `observe` as the loop does (the chain held to what the longest row
+   can still emit, as the loop does since session 60; but without shadow probes: since session
+   53 the loop lets greedy `ModelDrafter` requests probe from plain decoding by reading the
+   plain stretch, where the replay drafts), with every step charged its table
    cost (times lognormal noise that the controller sees, and a penalty on steps whose K differs
    from the previous one's), for many noise seeds in seconds; against every fixed K = 0..6 on the
    same noise, and against K*, the fixed K that is best in the noise-free replay (`--drift`
@@ -86,6 +89,8 @@ def replay(ctrl, calls, cost, fixed=None, noise=0.1, switch_penalty=0.08, seed=0
         while emitted:
             active = list(emitted)
             k = ctrl.choose(len(active), [MAX_NEW - emitted[r] for r in active]) if fixed is None else fixed
+            # the loop holds a chain to what its longest row can still emit (session 60)
+            k = min(k, max(MAX_NEW - emitted[r] for r in active) - 1)
             if k > 0 and (plain_steps or not drafted):  # the drafter's catch-up / deferred prefill
                 ctrl.skip_draft_cost_once()
             drafted = drafted or k > 0
@@ -124,13 +129,22 @@ def oracle_factory(cost, calls_by_batch):
     rates = [a / t for a, t in zip(acc, tried)]
 
     class Oracle(DraftLengthController):
-        def seconds(self, batch, k):
+        # The controller ranks K through `_unit_seconds` (phase-free units; `seconds` adds the
+        # phase): overriding `seconds` alone, as before session 60, left the ranking on learnt
+        # costs once the replay passed the rows' remaining tokens (session 47 on).
+        def _unit_seconds(self, batch, k):
+            self.calls += 1
             return sum(cost(batch, k))
 
         def acceptance(self):
             return list(rates)
 
-    return lambda: Oracle(8, warmup=(), probe_every=0)
+    def make():
+        oracle = Oracle(8, warmup=(), probe_every=0, phase_rate=0.0)
+        oracle.calls = 0
+        return oracle
+
+    return make
 
 
 def main() -> None:

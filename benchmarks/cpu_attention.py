@@ -29,11 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from mmspec import cpu_attention as ca
+from mmspec.assets_dir import ASSETS
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--forms", action="store_true")
 ap.add_argument("--e2e", nargs=3, metavar=("PAIR", "BATCH", "K"))
 ap.add_argument("--imagegen", type=int, metavar="BATCH", help="the bundled image pipeline, exact Jacobi, BATCH images")
+ap.add_argument("--model", default=str(ASSETS / "testbed" / "imagegen"), help="image pipeline folder for --imagegen")
 ap.add_argument("--rounds", type=int, default=15)
 ap.add_argument("--threads", type=int, default=2)
 args = ap.parse_args()
@@ -102,7 +104,7 @@ if args.imagegen:
     from mmspec.drafters import JacobiDrafter
     from mmspec.pipelines import SpeculativeARImagePipeline
 
-    pipe = SpeculativeARImagePipeline.from_pretrained("assets/testbed/imagegen")
+    pipe = SpeculativeARImagePipeline.from_pretrained(args.model)
     pipe.set_progress_bar_config(disable=True)
     labels = list(range(args.imagegen))
     times = {"torch": [], "chosen": []}

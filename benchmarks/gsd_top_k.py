@@ -14,12 +14,13 @@ import argparse
 
 import torch
 
+from mmspec.assets_dir import ASSETS
 from mmspec.drafters import JacobiDrafter
 from mmspec.pipelines import SpeculativeARImagePipeline
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--images", type=int, default=16)
-ap.add_argument("--model", default="assets/testbed/imagegen")
+ap.add_argument("--model", default=str(ASSETS / "testbed" / "imagegen"))
 args = ap.parse_args()
 torch.set_num_threads(2)
 pipe = SpeculativeARImagePipeline.from_pretrained(args.model)

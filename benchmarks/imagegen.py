@@ -7,11 +7,14 @@ the machine (timings), e.g. `flock /work/.cpu-heavy.lock python benchmarks/image
 """
 
 import sys
+from pathlib import Path
 
 from mmspec.cli import main
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--json" not in argv:
-        argv += ["--json", "benchmarks/results/imagegen_cpu.json"]
+    # `--json PATH`, `--json=PATH` or an abbreviation argparse takes for it (`--js`; `--j` would
+    # also match --judge-images): only without one does the default path apply
+    if not any(a.split("=", 1)[0] in ("--js", "--jso", "--json") for a in argv):
+        argv += ["--json", str(Path(__file__).resolve().parent / "results" / "imagegen_cpu.json")]
     sys.exit(main(["bench", "imagegen", *argv]))

@@ -25,6 +25,8 @@ import argparse
 
 import torch
 
+from mmspec.assets_dir import ASSETS
+
 
 def log_normal(x, mean, std):
     z = (x - mean) / std
@@ -38,7 +40,7 @@ def main() -> None:
     from mmspec.pipelines.cspd import _cfg_scales, draw_noise, sample_mar
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="assets/testbed/mar")
+    ap.add_argument("--model", default=str(ASSETS / "testbed" / "mar"))
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--num-iter", type=int, default=16)

@@ -50,9 +50,9 @@ def main() -> None:
         res[method] = json.loads(out)
         print(method, res[method])
     for m in ("mmspec", "mmspec-stock-kernels"):
+        why = " (the prepacked kernels keep a packed copy of the linear weights)" if m == "mmspec" else ""
         print(f"peak RSS {m} / plain generate: {res[m]['peak_mib'] / res['plain']['peak_mib']:.2f}x; "
-              f"memory added by the run: {res[m]['extra_mib']:.1f} MiB vs {res['plain']['extra_mib']:.1f} MiB "
-              "(the prepacked kernels keep a packed copy of the linear weights)")
+              f"memory added by the run: {res[m]['extra_mib']:.1f} MiB vs {res['plain']['extra_mib']:.1f} MiB{why}")
 
 
 if __name__ == "__main__":

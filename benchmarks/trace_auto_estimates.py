@@ -15,6 +15,8 @@ from mmspec.bench.draft_length import named_pair
 from mmspec.drafters import ModelDrafter
 from mmspec.models.hf_target import HFTarget
 torch.set_num_threads(2)
+if len(sys.argv) != 4 or sys.argv[1] in ("-h", "--help"):
+    sys.exit(__doc__)
 pair, B, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 pc, target, drafter = named_pair(pair)
 w = HFTarget(target)
