@@ -88,15 +88,8 @@ def verify_tree(
     return verify_tree_unchecked(rule, draft_tokens, parents, target_probs, generator=generator)
 
 
-def verify_tree_unchecked(
-    rule,
-    draft_tokens: torch.Tensor,  # [B, N]
-    parents: torch.Tensor,  # [B, N], -1 = root
-    target_probs: torch.Tensor,  # [B, N+1, V], position 0 = root
-    *,
-    generator: torch.Generator | None = None,
-) -> Verdict:
-    """`verify_tree` without its input checks (the loop's well-formed inputs)."""
+def verify_tree_unchecked(rule, draft_tokens, parents, target_probs, *, generator=None) -> Verdict:
+    """`verify_tree` without its input checks (the loop's well-formed inputs; the same arguments)."""
     B, N = draft_tokens.shape
     dtype = torch.float64 if target_probs.dtype == torch.float64 else torch.float32
     target_probs = target_probs.to(dtype)
