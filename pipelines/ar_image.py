@@ -236,8 +236,13 @@ class SpeculativeARImagePipeline(RefusesOffload, DiffusionPipeline):
             raise ValueError(f"codebook mismatch: the VQ has {self.vq.codebook_size} codes but the target GPT predicts "
                              f"vocab_size={V} image tokens")
         if self.vq.token_grid ** 2 != self.num_tokens:
+            side = round(self.num_tokens ** 0.5)
+            down = getattr(getattr(getattr(self.vq, "vq", None), "config", None), "downsample", None)
+            hint = (f"; the VQ is convolutional: load it for {side * down}-px images, e.g. "
+                    f"LlamaGenVQ.from_pretrained(file, image_size={side * down})"
+                    if side * side == self.num_tokens and isinstance(down, int) else "")
             raise ValueError(f"grid mismatch: the VQ decodes {self.vq.token_grid}x{self.vq.token_grid} tokens but the "
-                             f"target GPT generates block_size={self.num_tokens}")
+                             f"target GPT generates block_size={self.num_tokens}{hint}")
         held = self.__dict__.get("drafter_model")
         if isinstance(held, LlamaGenGPT) and held is not self.drafter:
             self._check_gpt_drafter(held)

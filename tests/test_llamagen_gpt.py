@@ -335,3 +335,31 @@ def test_diffusers_save_load_fp16_roundtrip(tmp_path):
     a = generate_plain(model.float(), labels, 8, cfg_scale=2.0, generator=torch.Generator().manual_seed(0))
     b = generate_plain(loaded.float(), labels, 8, cfg_scale=2.0, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a, b)
+
+
+def test_a_checkpoints_own_training_args_must_agree_with_the_config(tmp_path):
+    """The grid is not in the weights: a file whose saved `args` say 384 px (24x24 tokens) loaded
+    under a 256-px preset without a word, and generated the wrong grid."""
+    import argparse
+
+    model = tiny_model(seed=2)  # block_size 16: a 4x4 grid
+    ok = argparse.Namespace(gpt_model="GPT-B", image_size=64, downsample_size=16, vocab_size=24, num_classes=5,
+                            cls_token_num=1, gpt_type="c2i")
+    torch.save({"model": model.state_dict(), "args": ok}, tmp_path / "ok.pt")
+    loaded = LlamaGenGPT.from_official(tmp_path / "ok.pt", model.args)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    for change, message in [(dict(image_size=128), r"image_size 128 / downsample_size 16 -> 64 image tokens, the "
+                                                   r"config's block_size 16"),
+                            (dict(vocab_size=16384), r"vocab_size 16384, the config's vocab_size 24"),
+                            (dict(num_classes=1000), r"num_classes 1000, the config's num_classes 5")]:
+        torch.save({"model": model.state_dict(), "args": argparse.Namespace(**{**vars(ok), **change})},
+                   tmp_path / "bad.pt")
+        with pytest.raises(ValueError, match="training args disagree with the config: " + message):
+            LlamaGenGPT.from_official(tmp_path / "bad.pt", model.args)
+    # a released-size file: the refusal names the preset that fits (checked before the weights)
+    big = argparse.Namespace(gpt_model="GPT-B", image_size=384, downsample_size=16)
+    with pytest.raises(ValueError, match=r"576 image tokens, the config's block_size 256; use preset 'c2i_B_384'"):
+        LlamaGenGPT.from_official({"model": model.state_dict(), "args": big}, "c2i_B_256")
+    odd = argparse.Namespace(gpt_model="GPT-L", image_size=256, downsample_size=8)
+    with pytest.raises(ValueError, match=r"use preset_config\('GPT-L', block_size=1024, \.\.\.\)"):
+        LlamaGenGPT.from_official({"model": model.state_dict(), "args": odd}, "c2i_L_256")

@@ -182,3 +182,33 @@ def test_train_config_validation():
         VQTrainConfig(crop=30)
     with pytest.raises(ValueError, match="image_size"):
         VQTrainConfig(image_size=66, crop=32)
+
+
+def test_one_official_vq_file_serves_every_grid_and_wrong_shapes_are_named(tmp_path):
+    """LlamaGen ships one vq_ds16_c2i.pt for its 256-px and 384-px GPTs; the grid is a setting
+    (`image_size=`), not in the weights: loaded at 256 px it could not be paired with a 384-px
+    GPT, and the refusal did not say how. A config that does not fit the file was a raw
+    RuntimeError."""
+    from mmspec.models.llamagen_gpt import LlamaGenGPT
+    from mmspec.models.llamagen_vq_model import LlamaGenVQModel
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    from test_llamagen_gpt import tiny_model as tiny_gpt
+
+    model = tiny_model()  # downsample 2
+    torch.save({"model": model.state_dict()}, tmp_path / "vq.pt")
+    at8 = LlamaGenVQ.from_pretrained(tmp_path / "vq.pt", image_size=8)
+    assert at8.config.image_size == 8 and at8.config.token_grid == 4
+    x = pixels(s=8)
+    assert torch.equal(at8.encode(x), model.encode(x))  # the same weights, another grid
+    gpt = tiny_gpt(seed=1, vocab_size=16).float()  # block_size 16: a 4x4 grid
+    assert isinstance(gpt, LlamaGenGPT)
+    with pytest.raises(ValueError, match=r"grid mismatch: the VQ decodes 128x128 tokens but the target GPT generates "
+                                         r"block_size=16; the VQ is convolutional: load it for 8-px images, e\.g\. "
+                                         r"LlamaGenVQ.from_pretrained\(file, image_size=8\)"):
+        SpeculativeARImagePipeline(target=gpt, vq=LlamaGenVQModel.from_vq(LlamaGenVQ.from_pretrained(tmp_path / "vq.pt")))
+    pipe = SpeculativeARImagePipeline(target=gpt, vq=LlamaGenVQModel.from_vq(at8))
+    assert pipe.vq.token_grid == 4
+    for wrong in (dict(codebook_size=32), dict(codebook_embed_dim=8)):
+        with pytest.raises(ValueError, match=r"vq.pt: state dict does not match VQConfig: \d+ tensors of other shapes"):
+            LlamaGenVQ.from_pretrained(tmp_path / "vq.pt", tiny_config(**wrong))

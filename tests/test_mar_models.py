@@ -509,3 +509,21 @@ def test_kl16_converter_loads_official_layout_and_matches_reference(tmp_path):
     assert kl16_autoencoder_kwargs()["down_block_types"][:4] == ("DownEncoderBlock2D",) * 4
     with pytest.raises(ValueError, match="missing keys.*decoder.up_blocks"):
         load_kl16({"model": sd}, **{**cfg, "ch_mult": (1, 2, 2)})
+
+
+def test_num_sampling_steps_is_an_int_or_its_digits():
+    """The constructor truncated a float (100.7 ran 100 steps, the config said 100.7) and the
+    official "ddimN" respacing strings failed inside int(); the official code takes a string of
+    digits, which is honoured."""
+    from test_mar_cspd import tiny_mar
+
+    assert tiny_mar(num_sampling_steps="25").diffloss.num_sampling_steps == 25
+    for bad, message in [(100.7, r"got 100\.7$"), ("ddim50", r"'ddimN' and comma-separated respacings are not "
+                                                             r"supported"), ("10,20", "comma-separated"), (1, "got 1$"),
+                         (True, "got True")]:
+        with pytest.raises(ValueError, match=r"num_sampling_steps must be an int in \[2, 1000\].*" + message):
+            tiny_mar(num_sampling_steps=bad)
+    model = tiny_mar()
+    with pytest.raises(ValueError, match="ddimN"):
+        model.set_num_sampling_steps("ddim25")
+    assert model.set_num_sampling_steps("30").diffloss.num_sampling_steps == 30

@@ -451,29 +451,67 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         """Load an official LlamaGen c2i checkpoint (a path to ``.pt`` / ``.safetensors`` or a
         loaded object): weights under ``model`` / ``module`` / ``ema`` / ``state_dict`` or raw.
         ``config``: a preset name (``"c2i_B_256"``) or a LlamaGenGPTConfig. Strict: missing,
-        unexpected or mis-shaped keys -> ValueError naming them."""
+        unexpected or mis-shaped keys -> ValueError naming them. The image grid is not in the
+        weights: a file that records its training `args` (LlamaGen's train_c2i.py saves them)
+        must agree with ``config`` on the grid, vocabulary and classes, else ValueError."""
         args = preset_config(config) if isinstance(config, str) else config
         if not isinstance(args, LlamaGenGPTConfig):
             raise TypeError(f"config must be a preset name or LlamaGenGPTConfig, got {type(config).__name__}")
+        checkpoint = _checkpoint_object(checkpoint)
+        check_training_args(checkpoint, args)
         state = official_state_dict(checkpoint)
         model = cls.from_args(args)
         load_strict(model, state, where=str(checkpoint) if isinstance(checkpoint, (str, Path)) else "checkpoint")
         return model.eval()
 
 
+def _checkpoint_object(checkpoint):
+    """A path's loaded object (weights-only), or the object itself."""
+    if not isinstance(checkpoint, (str, Path)):
+        return checkpoint
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise ValueError(f"no such checkpoint file: {path}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch_checkpoint(path)
+
+
+def check_training_args(checkpoint, config: LlamaGenGPTConfig) -> None:
+    """A checkpoint saved by LlamaGen's training script carries its `args` (image_size,
+    downsample_size, vocab_size, num_classes, cls_token_num, gpt_type): refuse a config that
+    disagrees, naming the preset that fits (the grid was silently taken from the config)."""
+    saved = checkpoint.get("args") if isinstance(checkpoint, dict) else None
+    if saved is None:
+        return
+    get = (lambda k: saved.get(k)) if isinstance(saved, dict) else (lambda k: getattr(saved, k, None))
+    wrong = []
+    size, down = get("image_size"), get("downsample_size")
+    if isinstance(size, int) and isinstance(down, int) and down > 0 and (size // down) ** 2 != config.block_size:
+        wrong.append(f"image_size {size} / downsample_size {down} -> {(size // down) ** 2} image tokens, the config's "
+                     f"block_size {config.block_size}")
+    for key, field in (("vocab_size", "vocab_size"), ("num_classes", "num_classes"),
+                       ("cls_token_num", "cls_token_num"), ("gpt_type", "model_type")):
+        value = get(key)
+        if value is not None and value != getattr(config, field):
+            wrong.append(f"{key} {value!r}, the config's {field} {getattr(config, field)!r}")
+    if wrong:
+        model = get("gpt_model")
+        fits = [name for name, (m, image) in C2I_CHECKPOINTS.items() if (m, image) == (model, size) and down == 16]
+        if fits:
+            hint = f"; use preset {fits[0]!r}"
+        elif model in GPT_PRESETS and isinstance(size, int) and isinstance(down, int) and down > 0:
+            hint = f"; use preset_config({model!r}, block_size={(size // down) ** 2}, ...)"
+        else:
+            hint = "; pass a LlamaGenGPTConfig that matches"
+        raise ValueError("the checkpoint's training args disagree with the config: " + "; ".join(wrong) + hint)
+
+
 def official_state_dict(checkpoint) -> dict[str, torch.Tensor]:
     """The state dict inside an official checkpoint (path or loaded object)."""
-    obj = checkpoint
-    if isinstance(checkpoint, (str, Path)):
-        path = Path(checkpoint)
-        if not path.is_file():
-            raise ValueError(f"no such checkpoint file: {path}")
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            obj = load_file(str(path))
-        else:
-            obj = torch_checkpoint(path)
+    obj = _checkpoint_object(checkpoint)
     if isinstance(obj, dict):
         for key in ("model", "module", "ema", "state_dict"):
             if isinstance(obj.get(key), dict):

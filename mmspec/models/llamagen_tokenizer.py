@@ -365,11 +365,15 @@ class LlamaGenVQ(nn.Module):
         (directory / CONFIG_NAME).write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, config: VQConfig | None = None) -> "LlamaGenVQ":
+    def from_pretrained(cls, path: str | Path, config: VQConfig | None = None, *,
+                        image_size: int | None = None) -> "LlamaGenVQ":
         """Loads our folder format (config.json + model.safetensors) or an official LlamaGen
         checkpoint file (`{"model": sd}`, `{"ema": sd}`, `{"state_dict": sd}` or a plain state
         dict). For an official file the config is inferred from tensor shapes unless given
-        (image_size then defaults to 256). Always strict: missing/unexpected keys -> ValueError."""
+        (image_size then defaults to 256). `image_size`: the images it encodes / decodes (the
+        VQ is convolutional, so its grid is a setting, not in the weights): LlamaGen's one
+        vq_ds16_c2i.pt serves its 256-px GPTs (16x16 tokens) and 384-px ones (`image_size=384`,
+        24x24). Always strict: missing, unexpected or mis-shaped keys -> ValueError."""
         path = Path(path)
         if path.is_dir():
             if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
@@ -387,7 +391,15 @@ class LlamaGenVQ(nn.Module):
             config = config or infer_config(state)
         else:
             raise ValueError(f"no such file or folder: {path}")
+        if image_size is not None:
+            config = dataclasses.replace(config, image_size=image_size)  # (VQConfig checks it)
         model = cls(config)
+        own = model.state_dict()
+        shapes = [f"{k}: file {tuple(state[k].shape)} vs config {tuple(own[k].shape)}"
+                  for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
+        if shapes:  # (a raw RuntimeError from load_state_dict before)
+            raise ValueError(f"{path}: state dict does not match VQConfig: {len(shapes)} tensors of other shapes, "
+                             f"e.g. {shapes[:3]}; leave config=None to read it off the file")
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: state dict does not match VQConfig; missing keys {missing[:8]}"

@@ -119,6 +119,18 @@ def mar_schedule(seq_len: int, num_iter: int) -> tuple[list[int], list[int]]:
     return masked, lens
 
 
+
+def sampling_steps(value) -> int:
+    """The diffusion head's `num_sampling_steps`: an int in [2, 1000], or its digits as a string
+    (the official code takes a string). A float was truncated (100.7 ran 100 steps) and the
+    official "ddimN" / comma-separated respacings failed inside int(); both are refused."""
+    steps = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 2 <= steps <= 1000:
+        extra = ("; 'ddimN' and comma-separated respacings are not supported: give the number of evenly strided "
+                 "steps" if isinstance(value, str) else "")
+        raise ValueError(f"num_sampling_steps must be an int in [2, 1000], got {value!r}{extra}")
+    return steps
+
 class MARModel(ModelMixin, ConfigMixin):
     """MAR encoder / decoder / diffusion head (official key names)."""
 
@@ -147,6 +159,7 @@ class MARModel(ModelMixin, ConfigMixin):
         diffloss_clip_x0: float | None = None,
     ) -> None:
         super().__init__()
+        num_sampling_steps = sampling_steps(num_sampling_steps)
         if img_size % (vae_stride * patch_size):
             raise ValueError(f"img_size={img_size} must be divisible by vae_stride * patch_size = {vae_stride * patch_size}")
         for name, dim, heads in (("encoder", encoder_embed_dim, encoder_num_heads), ("decoder", decoder_embed_dim, decoder_num_heads)):
@@ -260,7 +273,8 @@ class MARModel(ModelMixin, ConfigMixin):
         """Training loss (scalar) on VAE latents [B, C, H, W] (already scaled), as the official
         `MAR.forward`: random order, a mask ratio from the truncated Gaussian on
         [mask_ratio_min, 1] (mean 1, std 0.25), class dropout, the diffusion loss on the
-        masked tokens with `diffusion_batch_mul` noise draws per token."""
+        masked tokens with `diffusion_batch_mul` noise draws per token. Not the official blocks'
+        attention / projection dropout (0.1): this model has no dropout (inference is the same)."""
         cfg = self.config
         x = self.patchify(latents)
         B, L, D = x.shape
@@ -285,8 +299,7 @@ class MARModel(ModelMixin, ConfigMixin):
         """Sample the diffusion head in `num_sampling_steps` respaced steps from now on (the
         official `num_sampling_steps`, an inference setting: the weights do not change). A CSpD
         drafter with fewer steps than its target drafts faster."""
-        if isinstance(num_sampling_steps, bool) or not isinstance(num_sampling_steps, int) or not 2 <= num_sampling_steps <= 1000:
-            raise ValueError(f"num_sampling_steps must be an int in [2, 1000], got {num_sampling_steps!r}")
+        num_sampling_steps = sampling_steps(num_sampling_steps)
         self.diffloss.set_num_sampling_steps(num_sampling_steps)
         self.register_to_config(num_sampling_steps=num_sampling_steps)
         return self
@@ -299,7 +312,9 @@ class MARModel(ModelMixin, ConfigMixin):
         """Load an official `checkpoint-last.pth` (path or loaded dict) strictly, into
         `torch_dtype` (default: the checkpoint's dtype).
         `variant` in MAR_VARIANTS sets the transformer and head sizes; other config fields
-        (img_size, class_num, num_sampling_steps, ...) may be given as keywords."""
+        (img_size, class_num, num_sampling_steps, ...) may be given as keywords. `use_ema`
+        (default True): the EMA weights (`model_ema`), as the official evaluation uses; False:
+        the raw `model` weights."""
         if variant is not None:
             if variant not in MAR_VARIANTS:
                 raise ValueError(f"variant must be one of {sorted(MAR_VARIANTS)}, got {variant!r}")

@@ -22,7 +22,8 @@ Recipe: VAE = pixel L1 + MSE + 1e-6 KL (latent-diffusion style, no GAN / LPIPS),
 for the first steps (4x cheaper, the model is convolutional) and whole scenes for the last
 `vae_full_steps`; latents scaled to unit std (the factor is stored as `scaling_factor`, as
 MAR's 0.2325). MAR = official loss (random order, truncated-Gaussian mask ratio, class dropout
-0.1, diffusion loss with the cosine schedule and learned variance). AdamW, cosine LR, fixed
+0.1, diffusion loss with the cosine schedule and learned variance; without the official blocks'
+attention / projection dropout of 0.1, which MARModel does not have). AdamW, cosine LR, fixed
 seeds, losses logged every 100 steps. `eval_num_iter` = 16 generation steps for 64 tokens
 (stored in metrics.json, which `mmspec generate` / `bench mar` read as the folder's default).
 
