@@ -36,17 +36,15 @@ Model (per step, B active rows, K drafts per row):
   position, ~30 steps): a run of rejections (or noise) that switched speculation off would
   otherwise hold until a probe, and one probe judges one step's drafts (replayed without the
   models: benchmarks/auto_sim.py, docs/adaptive.md).
-- `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed
-  (the plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half,
-  except a much cheaper second reading while one-time costs are undecided: see `mmspec/step_costs.py`)
-  (an observation above 1.5x its key's mean counts as 1.5x: interference only slows steps down),
-  otherwise a least-squares line in the number of tokens processed (B * Q for verify, B * K
-  for drafting) fitted to every observation so far, so a batch size seen for the first time
-  still gets an estimate. A key read fewer than 1 / (1 - decay) times is weighed against the
-  line through the other keys of its row count (as two readings): it is read again only when
-  chosen or probed, so one noisy reading would otherwise steer rankings for long.
-  K = 0 is plain decoding (the drafter does no work that step, except that an EAGLE / ViSpec
-  head runs its prompt prefill at a request's first step if that step is K = 0).
+- `verify(B, Q)` and `draft(B, K)` are measured: per-(B, Q) running means where observed (the
+  plain mean of a key's first 1 / (1 - decay) readings, so a second reading counts half, except a
+  much cheaper second reading while one-time costs are undecided: see `mmspec/step_costs.py`; an
+  observation above 1.5x its key's mean counts as 1.5x: interference only slows steps down),
+  otherwise a least-squares line in the number of tokens processed (B * Q for verify, B * K for
+  drafting) fitted to every observation so far, so a batch size seen for the first time still gets
+  an estimate. A key read fewer than 1 / (1 - decay) times is weighed against the line through the
+  other keys of its row count (as two readings): it is read again only when chosen or probed, so
+  one noisy reading would otherwise steer rankings for long. K = 0 is plain decoding (no drafting).
 - The machine's speed moves in phases that every shape shares (a shared VM ran 45% faster for
   minutes while `auto` held one K, and the shapes read before kept their old costs). A log phase
   follows it: each warm verify of a shape read before moves it by `phase_rate` (0.1) x its log
@@ -193,6 +191,7 @@ class DraftLengthController:
         self.next_probe = len(self.warmup) + probe_every if probe_every else None
         self.probes = 0
         self._probe_base: int | None = None  # the choice a pending probe deviated from
+        self._probe_unobserved = False  # (a probe chosen, its step not observed yet)
         self._skip_draft_cost = False
         # Shadow probes (mmspec/shadow_acceptance.py): the loop sets `shadow_capable` where the
         # drafter can read greedy acceptance off a plain stretch (ModelDrafter, greedy, lossless
@@ -397,7 +396,7 @@ class DraftLengthController:
                     self._shadow_due = True  # a plain step whose drafter catch-up measures acceptance
                 else:
                     k = self._probe_choice(k, rates)
-                self.probes += 1
+                self.probes, self._probe_unobserved = self.probes + 1, True
         self.last_choice = k
         self.history.append(k)
         self.steps += 1
@@ -451,7 +450,11 @@ class DraftLengthController:
         self._row_counts = {}
         self._req_step = 0
         self._plain_batch = None  # rank afresh: the last request's final plain steps say nothing of this one
-        self._shadow_due, self._shadow_rows = False, None  # a probe of a request that raised mid-step
+        # A step that raised between `choose` and `observe` (`steps` / `history` still count it):
+        # its probe is taken back (the next step probes again), its one-off drafting flag void.
+        self._shadow_due, self._shadow_rows, self._skip_draft_cost = False, None, False
+        if self._probe_unobserved:
+            self._probe_base, self._probe_unobserved, self.probes = None, False, self.probes - 1
 
     def _row_spread(self, min_tried: int = 4) -> float | None:
         """Method of moments over the rows of one request: the variance of the per-row acceptance
@@ -575,7 +578,7 @@ class DraftLengthController:
             self.verify.observe(key, batch * (k + 1), verify_seconds * unit)
         if k > 0 and not self._skip_draft_cost and (warm or (batch, k) not in self.draft.means):
             self.draft.observe((batch, k), batch * k, draft_seconds * unit)
-        self._skip_draft_cost = False
+        self._skip_draft_cost = self._probe_unobserved = False
         self._memo_age += 1
         if self._memo_age >= 8 or self.steps < 32:
             self._memo.clear()

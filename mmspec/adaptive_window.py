@@ -162,6 +162,11 @@ class WindowBandit:
         self._challenge = None
         self._arm, self._tokens, self._seconds = None, 0, 0.0
 
+    def abort_request(self) -> None:
+        """The running request raised (the loop calls this): it is not scored, so partial
+        requests (fewer recycled drafts in their early steps) do not bias the arms."""
+        self._arm, self._tokens, self._seconds = None, 0, 0.0
+
     def _record(self, st: _Batch, arm: int, tokens: float, seconds: float) -> None:
         st.runs[arm] = st.runs.get(arm, 0) + 1
         st.last[arm] = len(self.requests)

@@ -336,11 +336,19 @@ def speculative_generate(
         if position_limit is not None:  # room before the table's end, from the longest (padded) row
             loop.position_room = (position_limit, input_ids.shape[1])
         emitter = _Emitter(input_ids.shape[0], max_new_tokens, eos, pad_token_id, input_ids.device)
-        loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
-        while emitter.rows_host:
-            loop.step(emitter)
-            if getattr(target, "stop_requested", False):  # optional Target capability: end here, stats complete
-                break
+        try:
+            loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
+            while emitter.rows_host:
+                loop.step(emitter)
+                if getattr(target, "stop_requested", False):  # optional Target capability: end here, stats complete
+                    break
+        except BaseException:
+            # A request that raised (Ctrl-C included) is not a finished request: a per-request
+            # controller (WindowBandit) drops its partial tokens and seconds instead of scoring them.
+            abort = getattr(getattr(drafter, "controller", None), "abort_request", None)
+            if callable(abort):
+                abort()
+            raise
         return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
 
 

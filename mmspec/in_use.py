@@ -30,21 +30,24 @@ def _parts(target, drafter) -> list:
 def exclusive(target, drafter):
     parts = _parts(target, drafter)
     keys = {id(p) for p in parts}
-    with _LOCK:
-        busy = [p for p in parts if id(p) in _IN_USE]
-        if not busy:
-            _IN_USE.update(keys)
-    if busy:
-        raise ValueError(
-            f"{type(busy[0]).__name__} is decoding another request right now (another thread, or a callback "
-            "calling back in): a target or drafter holds one request's caches at a time; build one target and "
-            "drafter per thread (with a pipeline: one pipeline per thread, e.g. type(pipe)(**pipe.components), "
-            "each with its own drafter object)")
+    marked = False  # (set before the marks, so that a Ctrl-C landing anywhere after takes them back)
     try:
+        with _LOCK:
+            busy = [p for p in parts if id(p) in _IN_USE]
+            if not busy:
+                marked = True
+                _IN_USE.update(keys)
+        if busy:
+            raise ValueError(
+                f"{type(busy[0]).__name__} is decoding another request right now (another thread, or a callback "
+                "calling back in): a target or drafter holds one request's caches at a time; build one target and "
+                "drafter per thread (with a pipeline: one pipeline per thread, e.g. type(pipe)(**pipe.components), "
+                "each with its own drafter object)")
         yield
     finally:
-        with _LOCK:
-            _IN_USE.difference_update(keys)
+        if marked:
+            with _LOCK:
+                _IN_USE.difference_update(keys)
 
 
 class PerThreadFlag:

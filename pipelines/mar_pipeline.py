@@ -172,43 +172,42 @@ class SpeculativeMARPipeline(RefusesOffload, DiffusionPipeline):
             raise ValueError(f"num_draft_steps must be an int >= 1 or 'auto' with draft='self', got {num_draft_steps!r}")
         check_speculative(temperature if speculative else None, 1 if num_draft_steps == "auto" else num_draft_steps,
                           None if draft == "self" else prefill_fraction)
-        bar = self.progress_bar(total=num_iter)
         done = [0]
+        # (closed also when sampling raises: a dead bar kept its line and pushed the next call's down)
+        with self.progress_bar(total=num_iter) as bar:
+            def callback(steps_done: int) -> None:
+                bar.update(steps_done - done[0])
+                done[0] = steps_done
 
-        def callback(steps_done: int) -> None:
-            bar.update(steps_done - done[0])
-            done[0] = steps_done
-
-        if self_draft:
-            k, bandit = num_draft_steps, None
-            if k == "auto":  # a per-request choice among K = 0 (plain) .. SELF_DRAFT_K_MAX by measured speed
-                # One bandit per setting that changes a request's time or acceptance (its reward is a
-                # whole request's tokens per second: 16-step requests looked 4x faster than 64-step
-                # ones to whichever arm ran them); each learns per batch size.
-                bandits = self.__dict__.setdefault("_self_draft_bandits", {})
-                setting = (num_iter, float(guidance_scale), cfg_schedule, float(temperature))
-                bandit = bandits.get(setting)
-                if bandit is None:
-                    top = min(SELF_DRAFT_K_MAX, num_iter)  # a round drafts at most num_iter steps
-                    bandit = bandits[setting] = WindowBandit(top, arms=list(range(top + 1)))
-                bandit.begin_request()  # records the previous request's rate
-                k = bandit.choose(len(labels))
-            t0 = time.perf_counter()
-            kw = dict(num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
-                      temperature=temperature, generator=generator, callback=callback)
-            if k == 0:  # plain sampling through the same code
-                tokens, stats = sample_mar(self.transformer, labels, **kw)
+            if self_draft:
+                k, bandit = num_draft_steps, None
+                if k == "auto":  # a per-request choice among K = 0 (plain) .. SELF_DRAFT_K_MAX by measured speed
+                    # One bandit per setting that changes a request's time or acceptance (its reward is a
+                    # whole request's tokens per second: 16-step requests looked 4x faster than 64-step
+                    # ones to whichever arm ran them); each learns per batch size.
+                    bandits = self.__dict__.setdefault("_self_draft_bandits", {})
+                    setting = (num_iter, float(guidance_scale), cfg_schedule, float(temperature))
+                    bandit = bandits.get(setting)
+                    if bandit is None:
+                        top = min(SELF_DRAFT_K_MAX, num_iter)  # a round drafts at most num_iter steps
+                        bandit = bandits[setting] = WindowBandit(top, arms=list(range(top + 1)))
+                    bandit.begin_request()  # records the previous request's rate
+                    k = bandit.choose(len(labels))
+                t0 = time.perf_counter()
+                kw = dict(num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
+                          temperature=temperature, generator=generator, callback=callback)
+                if k == 0:  # plain sampling through the same code
+                    tokens, stats = sample_mar(self.transformer, labels, **kw)
+                else:
+                    tokens, stats = sample_mar_self(self.transformer, labels, num_draft_steps=k, **kw, **tries)
+                if bandit is not None:  # tokens per second of the whole request (every row emits all its tokens)
+                    bandit.observe(len(labels), k, [tokens.shape[1] - 1] * len(labels), 0.0, time.perf_counter() - t0)
             else:
-                tokens, stats = sample_mar_self(self.transformer, labels, num_draft_steps=k, **kw, **tries)
-            if bandit is not None:  # tokens per second of the whole request (every row emits all its tokens)
-                bandit.observe(len(labels), k, [tokens.shape[1] - 1] * len(labels), 0.0, time.perf_counter() - t0)
-        else:
-            tokens, stats = sample_mar(
-                self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
-                temperature=temperature, drafter=drafter, num_draft_steps=num_draft_steps,
-                prefill_fraction=prefill_fraction, acceptance=acceptance, generator=generator, callback=callback,
-            )
-        bar.close()
+                tokens, stats = sample_mar(
+                    self.transformer, labels, num_iter=num_iter, guidance_scale=guidance_scale, cfg_schedule=cfg_schedule,
+                    temperature=temperature, drafter=drafter, num_draft_steps=num_draft_steps,
+                    prefill_fraction=prefill_fraction, acceptance=acceptance, generator=generator, callback=callback,
+                )
         latents = self.transformer.unpatchify(tokens)
         if output_type == "latent":
             images = latents

@@ -33,6 +33,7 @@ an image file that is missing or cannot be decoded is reported in that item's `e
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -415,19 +416,18 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
                   for start in range(0, len(group), batch_size or max(len(group), 1))]
         # A bar over the items once the work spans several batches (`set_progress_bar_config(disable=True)`
         # silences it, as in every diffusers pipeline).
-        bar = self.progress_bar(total=len(ready)) if len(chunks) > 1 else None
-        for chunk in chunks:
-            out = self._generate(chunk, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, acceptance=acceptance, generator=generator)
-            stats.append(out.stats)
-            L = out.sequences.shape[1] - max(out.stats.new_tokens)
-            for row, (i, _, _) in enumerate(chunk):
-                seqs[i] = out.sequences[row, L:L + out.stats.new_tokens[row]]
-                texts[i] = self.processor.tokenizer.decode(seqs[i], skip_special_tokens=True).strip()
-            if bar is not None:
-                bar.update(len(chunk))
-        if bar is not None:
-            bar.close()
+        # (closed also when a batch raises: a dead bar kept its line and pushed the next call's down)
+        with self.progress_bar(total=len(ready)) if len(chunks) > 1 else contextlib.nullcontext() as bar:
+            for chunk in chunks:
+                out = self._generate(chunk, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, acceptance=acceptance, generator=generator)
+                stats.append(out.stats)
+                L = out.sequences.shape[1] - max(out.stats.new_tokens)
+                for row, (i, _, _) in enumerate(chunk):
+                    seqs[i] = out.sequences[row, L:L + out.stats.new_tokens[row]]
+                    texts[i] = self.processor.tokenizer.decode(seqs[i], skip_special_tokens=True).strip()
+                if bar is not None:
+                    bar.update(len(chunk))
         merged = merge_stats(stats)
         # Per input row, in the caller's item order: batches group image and text-only items, and an
         # item that failed to load generated nothing.
