@@ -328,16 +328,21 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         from PIL import Image
 
         if isinstance(item, Image.Image):
-            return item
-        if isinstance(item, (str, Path)):
+            im = item
+        elif isinstance(item, (str, Path)):
             try:
-                with Image.open(item) as im:
-                    return _as_displayed_rgb(im)
+                with Image.open(item) as opened:
+                    im = _as_displayed_rgb(opened)
             except FileNotFoundError:
                 raise OSError(f"image file {str(item)!r} not found") from None
             except Exception as e:  # PIL raises several types for undecodable files
                 raise OSError(f"image file {str(item)!r} could not be read ({type(e).__name__}: {e})") from None
-        raise ValueError(f"images must be PIL images, file paths or None, got {type(item).__name__}")
+        else:
+            raise ValueError(f"images must be PIL images, file paths or None, got {type(item).__name__}")
+        if 0 in im.size:  # (it failed inside the image processor)
+            raise ValueError(f"an image of {im.size[0]}x{im.size[1]} pixels has no content; give images of at least "
+                             "1x1 pixels")
+        return im
 
     def _prompt(self, text: str | None, n_images: int) -> str:
         text = self.config.caption_prompt if text is None else text

@@ -195,6 +195,11 @@ def test_missing_and_corrupt_files_are_reported_per_item(parts, tmp_path):
     assert out.errors[0] is None and out.errors[3] is None
     alone = pipe([tmp_path / "good.png", good[1]], max_new_tokens=6)
     assert alone.texts == [out.texts[0], out.texts[3]]
+    from PIL import Image  # an empty image failed inside the image processor
+
+    for size in ((0, 0), (5, 0)):
+        with pytest.raises(ValueError, match=rf"an image of {size[0]}x{size[1]} pixels has no content"):
+            pipe([Image.new("RGB", size)], max_new_tokens=2)
 
 
 def test_a_tied_text_drafter_saves_and_loads(tmp_path):
