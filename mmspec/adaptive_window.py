@@ -163,7 +163,8 @@ class WindowBandit:
         self._arm, self._tokens, self._seconds = None, 0, 0.0
 
     def abort_request(self) -> None:
-        """The running request raised (the loop calls this): it is not scored, so partial
+        """The running request raised or was stopped by its target before every row finished
+        (the loop calls this once the drafter's prefill opened it): it is not scored, so partial
         requests (fewer recycled drafts in their early steps) do not bias the arms."""
         self._arm, self._tokens, self._seconds = None, 0, 0.0
 

@@ -336,17 +336,21 @@ def speculative_generate(
         if position_limit is not None:  # room before the table's end, from the longest (padded) row
             loop.position_room = (position_limit, input_ids.shape[1])
         emitter = _Emitter(input_ids.shape[0], max_new_tokens, eos, pad_token_id, input_ids.device)
+        # A request that raised (Ctrl-C included) or was stopped by the target is not a finished
+        # request: a per-request controller (WindowBandit) drops its partial tokens and seconds
+        # instead of scoring them, once the drafter's prefill has opened this request (before
+        # that, what it holds is the previous, finished request's score).
+        abort = getattr(getattr(drafter, "controller", None), "abort_request", None)
         try:
             loop.prefill(input_ids, attention_mask, model_inputs, max_new_tokens, features, emitter)
             while emitter.rows_host:
                 loop.step(emitter)
                 if getattr(target, "stop_requested", False):  # optional Target capability: end here, stats complete
+                    if callable(abort) and emitter.rows_host:
+                        abort()
                     break
         except BaseException:
-            # A request that raised (Ctrl-C included) is not a finished request: a per-request
-            # controller (WindowBandit) drops its partial tokens and seconds instead of scoring them.
-            abort = getattr(getattr(drafter, "controller", None), "abort_request", None)
-            if callable(abort):
+            if callable(abort) and loop.drafter_began:
                 abort()
             raise
         return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
@@ -408,9 +412,12 @@ class _Loop:
         # held to what can still be emitted.
         self.end_cap = bool(getattr(drafter, "cappable", False))
         # Drafts that a `propose` written outside mmspec made are checked before they reach the target
-        # (a user subclass of an mmspec drafter that keeps its `propose` is not).
-        propose = getattr(type(drafter), "propose", None)
-        self.foreign_drafter = not getattr(propose, "__module__", "").startswith("mmspec.")
+        # (a user subclass of an mmspec drafter that keeps its `propose` is not; one set on the
+        # instance is).
+        propose = getattr(drafter, "propose", None)
+        propose = getattr(propose, "__func__", propose)
+        self.foreign_drafter = not str(getattr(propose, "__module__", "") or "").startswith("mmspec.")
+        self.drafter_began = False  # the drafter's prefill has run for this request
         # Drafter-invariant sampling (acceptance="invariant"): the loop perturbs the target's
         # distributions with noise keyed by (seed, row, position) and hands drafters the same noise.
         self.noise = PositionNoise.for_request(generator, target.vocab_size) if getattr(
@@ -438,6 +445,7 @@ class _Loop:
         if set_stop is not None:  # optional: chain drafters end a chain once every row drafted EOS
             set_stop(emitter.eos)
         self.drafter.prefill(input_ids, attention_mask, tout, model_inputs, max_new_tokens)
+        self.drafter_began = True  # (after: a prefill that raised early leaves the last request's score)
         self.timer.charge("draft", t0, self.timer.mark())
         keep = emitter.first(self.roots)
         if len(keep) < input_ids.shape[0]:

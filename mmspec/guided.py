@@ -35,6 +35,12 @@ def _left_pad(ids: torch.Tensor, mask: torch.Tensor, length: int, pad_id: int) -
     )
 
 
+# Model inputs with one entry per image / video (not per prompt row): an unconditional half may have none
+# (make_uncond returns None), the conditional rows' entries then standing alone.
+PER_IMAGE_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "image_sizes", "image_grid_thw",
+                              "video_grid_thw", "second_per_grid_ts"})
+
+
 class GuidedTarget:
     """CFG over `target`. The unconditional prompts come from `uncond_input_ids` /
     `uncond_attention_mask` (one row per conditional row, left-padded) or from
@@ -197,13 +203,40 @@ class GuidedTarget:
                     f"but the unconditional prompts hold {per_row[1].tolist()} image / video placeholder tokens per "
                     "row; take the placeholders out of those prompts, or return that half's own inputs"
                 )
-        L = max(input_ids.shape[1], u_ids.shape[1])
+        Lc, Lu = input_ids.shape[1], u_ids.shape[1]
+        L = max(Lc, Lu)
         c_ids, c_mask = _left_pad(input_ids, attention_mask, L, self.pad_token_id)
+        u_ids_given = u_ids
         u_ids, u_mask = _left_pad(u_ids, u_mask.to(attention_mask.dtype), L, self.pad_token_id)
         inputs = {}
         for name, value in model_inputs.items():
             other = u_inputs.get(name, value)
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() and (
+                    value.shape == input_ids.shape):
+                # Per prompt token (token_type_ids, ...): it follows each half's own prompt, left-padded with it.
+                if other is None or (other is value and (Lu != Lc or not torch.equal(
+                        input_ids.masked_fill(attention_mask == 0, -1).cpu(),
+                        u_ids_given.masked_fill(u_mask[:, L - Lu:] == 0, -1).cpu()))):
+                    raise ValueError(
+                        f"model input {name!r} [B, {Lc}] follows the conditional prompts token by token; the "
+                        f"unconditional prompts {'differ' if Lu == Lc else f'have {Lu} tokens'}, so "
+                        f"{'None' if other is None else 'reusing it'} would misalign it: make_uncond must return "
+                        f"that half's own {name!r} [B, {Lu}]"
+                    )
+                if not isinstance(other, torch.Tensor) or tuple(other.shape) != (B, Lu):
+                    raise ValueError(f"make_uncond returned model input {name!r} as {type(other).__name__} "
+                                     f"{tuple(getattr(other, 'shape', ()))}; it must be a tensor [{B}, {Lu}] (one "
+                                     "entry per unconditional prompt token)")
+                pad = lambda t: torch.cat([t.new_zeros(B, L - t.shape[1]), t], 1)  # noqa: E731
+                inputs[name] = torch.cat([pad(value), pad(other.to(value.device))], 0)
+                continue
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == B:
+                if other is None and name not in PER_IMAGE_INPUTS:
+                    raise ValueError(
+                        f"make_uncond returned None for model input {name!r}; None (none for the unconditional "
+                        f"half) is for per-image inputs ({', '.join(sorted(PER_IMAGE_INPUTS))}): return that half's "
+                        f"own {name!r}"
+                    )
                 if other is None:  # the unconditional rows have none of it (checked above for placeholders)
                     inputs[name] = value
                 elif not isinstance(other, torch.Tensor) or other.shape[1:] != value.shape[1:]:

@@ -78,3 +78,60 @@ def test_an_interrupted_request_is_not_scored_by_the_window_bandit(target):
     # recorded: the second request (at the third's start); not the third, which raised
     assert sum(bandit.batches[4].runs.values()) == 1
     assert torch.equal(out.sequences, reference(target, ids, mask, 24))
+
+
+def test_a_request_failing_in_the_targets_prefill_keeps_the_last_requests_score(target):
+    """The bandit scores request n when request n+1's drafter prefill begins; a request n+1 that
+    failed before that (in the target's prefill) wiped request n's score."""
+    ids, mask = left_padded([5, 8, 3, 6])
+    t, d = HFTarget(target), JacobiDrafter("auto", max_window=8, vocab_size=VOCAB)
+    bandit = d.controller
+    _run(t, d, ids, mask)
+    _run(t, d, ids, mask)  # the second request: scored when the next one begins
+    prefill = t.prefill
+
+    def failing(*args, **kwargs):
+        raise Boom("out of memory in the prompt")
+
+    t.prefill = failing
+    with pytest.raises(Boom):
+        _run(t, d, ids, mask)
+    t.prefill = prefill
+    _run(t, d, ids, mask)
+    assert sum(bandit.batches[4].runs.values()) == 1  # the second request's score survived
+
+
+def test_a_request_stopped_by_its_target_is_not_scored(target):
+    """A stop (the image pipeline's callback) ends a request early: its rate over the first steps
+    is not a whole request's."""
+    ids, mask = left_padded([5, 8, 3, 6])
+    t, d = HFTarget(target), JacobiDrafter("auto", max_window=8, vocab_size=VOCAB)
+    bandit = d.controller
+    _run(t, d, ids, mask)
+    _run(t, d, ids, mask)
+    commit, steps = t.commit, [0]
+
+    def stopping(info):
+        commit(info)
+        steps[0] += 1
+        t.stop_requested = steps[0] >= 2
+
+    t.commit = stopping
+    out = _run(t, d, ids, mask)
+    assert max(out.stats.new_tokens) < 24  # stopped early
+    del t.commit
+    t.stop_requested = False
+    _run(t, d, ids, mask)
+    assert sum(bandit.batches[4].runs.values()) == 1  # the second request only
+
+
+def test_a_propose_set_on_the_instance_is_checked(target):
+    from mmspec.types import Draft
+
+    ids, mask = left_padded([5, 8, 3, 6])
+    d = ModelDrafter(target, 2)
+    propose = d.propose
+    d.propose = lambda roots, s, g: Draft(tokens=propose(roots, s, g).tokens + VOCAB,
+                                          parents=torch.tensor([[-1, 0]] * roots.shape[0]))
+    with pytest.raises(ValueError, match=r"drafted token ids outside the target's vocabulary"):
+        _run(target, d, ids, mask)

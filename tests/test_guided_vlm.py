@@ -142,3 +142,63 @@ def test_text_only_unconditional_prompts_with_no_images(llava):
            r"as list \(\); it must be None or a tensor \[n, 3, 16, 16\]")
     refuse(lambda i, m, inputs: (i, m, {"pixel_values": pixels, "image_sizes": torch.ones(2, 2)}),
            r"make_uncond returned model inputs \['image_sizes'\] that the conditional rows do not have")
+
+
+class RecordingTarget:
+    """A stand-in target that records the doubled batch GuidedTarget hands it at prefill."""
+
+    vocab_size = 16
+
+    def __init__(self):
+        self.seen = None
+
+    def prefill(self, input_ids, attention_mask, model_inputs, max_new_tokens, max_draft_nodes, features):
+        from mmspec.types import TargetOutput
+
+        self.seen = (input_ids, attention_mask, dict(model_inputs))
+        return TargetOutput(logits=torch.zeros(input_ids.shape[0], 1, self.vocab_size))
+
+    def verify(self, tokens, parents):
+        raise AssertionError("not reached")
+
+    def commit(self, info):
+        pass
+
+    def select_rows(self, rows, rows_host):
+        pass
+
+
+def test_per_token_and_per_row_inputs_follow_each_half_or_are_refused():
+    """A per-prompt-token input (PaliGemma / Gemma3 `token_type_ids` [B, L]) reused for longer
+    unconditional prompts was not padded with them (silently misaligned: other tokens than a
+    hand-written CFG loop); None for a per-row input crashed inside the model."""
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    mask = torch.ones_like(ids)
+    types = torch.tensor([[0, 1, 1], [0, 0, 1]])
+    longer = torch.tensor([[9, 9, 3, 4, 5], [9, 9, 6, 7, 8]])
+
+    def prefill(make_uncond):
+        inner = RecordingTarget()
+        mmspec.GuidedTarget(inner, 2.0, make_uncond=make_uncond).prefill(ids, mask, {"token_type_ids": types}, 4, 0)
+        return inner.seen
+
+    # the unconditional half's own [B, L'] tensor: both halves left-padded to the common length
+    _, _, inputs = prefill(lambda i, m, x: (longer, torch.ones_like(longer), {"token_type_ids": torch.ones(2, 5).long()}))
+    assert torch.equal(inputs["token_type_ids"], torch.cat([torch.cat([torch.zeros(2, 2).long(), types], 1),
+                                                            torch.ones(2, 5).long()]))
+    # the same prompts: reuse is exact
+    _, _, inputs = prefill(lambda i, m, x: (i, m, x))
+    assert torch.equal(inputs["token_type_ids"], torch.cat([types, types]))
+    for make, message in [(lambda i, m, x: (longer, torch.ones_like(longer), x),
+                           r"'token_type_ids' \[B, 3\] follows the conditional prompts token by token; the "
+                           r"unconditional prompts have 5 tokens, so reusing it would misalign it"),
+                          (lambda i, m, x: (i + 1, m, x), r"the unconditional prompts differ, so reusing it"),
+                          (lambda i, m, x: (i, m, {"token_type_ids": None}), r"so None would misalign it"),
+                          (lambda i, m, x: (longer, torch.ones_like(longer), {"token_type_ids": types.clone()}),
+                           r"must be a tensor \[2, 5\]")]:
+        with pytest.raises(ValueError, match=message):
+            prefill(make)
+    inner = RecordingTarget()
+    target = mmspec.GuidedTarget(inner, 2.0, make_uncond=lambda i, m, x: (i, m, {"rows": None}))
+    with pytest.raises(ValueError, match=r"None for model input 'rows'; None .* is for per-image inputs"):
+        target.prefill(ids, mask, {"rows": torch.zeros(2, 4, 4)}, 4, 0)

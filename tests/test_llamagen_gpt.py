@@ -361,5 +361,28 @@ def test_a_checkpoints_own_training_args_must_agree_with_the_config(tmp_path):
     with pytest.raises(ValueError, match=r"576 image tokens, the config's block_size 256; use preset 'c2i_B_384'"):
         LlamaGenGPT.from_official({"model": model.state_dict(), "args": big}, "c2i_B_256")
     odd = argparse.Namespace(gpt_model="GPT-L", image_size=256, downsample_size=8)
-    with pytest.raises(ValueError, match=r"use preset_config\('GPT-L', block_size=1024, \.\.\.\)"):
+    with pytest.raises(ValueError, match=r"use preset_config\('GPT-L', block_size=1024\)$"):
         LlamaGenGPT.from_official({"model": model.state_dict(), "args": odd}, "c2i_L_256")
+
+
+def test_training_args_hints_name_only_what_fits_and_errors_name_the_file(tmp_path):
+    import argparse
+
+    import numpy as np
+
+    model = tiny_model(seed=2)
+    state = model.state_dict()
+    for args, message in [
+        (dict(gpt_model="GPT-B", image_size=256, downsample_size=16, vocab_size=8192),
+         r"vocab_size 8192, the config's vocab_size 16384; use preset_config\('GPT-B', block_size=256, "
+         r"vocab_size=8192\)"),
+        (dict(gpt_model="GPT-XL", image_size=256, downsample_size=16, gpt_type="t2i"),
+         r"gpt_type 't2i' is not supported"),
+        (dict(gpt_model="GPT-B", image_size=np.int64(384), downsample_size=np.int64(16)),  # NumPy ints too
+         r"576 image tokens, the config's block_size 256; use preset 'c2i_B_384'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            LlamaGenGPT.from_official({"model": state, "args": argparse.Namespace(**args)}, "c2i_B_256")
+    torch.save({"model": state}, tmp_path / "mine.pt")  # a key mismatch names the file again
+    with pytest.raises(ValueError, match="mine.pt"):
+        LlamaGenGPT.from_official(tmp_path / "mine.pt", "c2i_B_256")

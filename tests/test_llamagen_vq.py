@@ -212,3 +212,15 @@ def test_one_official_vq_file_serves_every_grid_and_wrong_shapes_are_named(tmp_p
     for wrong in (dict(codebook_size=32), dict(codebook_embed_dim=8)):
         with pytest.raises(ValueError, match=r"vq.pt: state dict does not match VQConfig: \d+ tensors of other shapes"):
             LlamaGenVQ.from_pretrained(tmp_path / "vq.pt", tiny_config(**wrong))
+
+
+def test_image_size_is_an_int_and_honoured_from_a_vq_folder(tmp_path):
+    from mmspec.models.llamagen_vq_model import LlamaGenVQModel
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "vq")
+    wrapped = LlamaGenVQModel.from_pretrained(tmp_path / "vq", image_size=8)  # (it was ignored for such a folder)
+    assert wrapped.token_grid == 4 and LlamaGenVQModel.from_pretrained(tmp_path / "vq").token_grid == 8
+    for bad in ("8", 8.0, True):  # a str was a raw TypeError, a float gave a float grid
+        with pytest.raises(ValueError, match=r"VQConfig.image_size must be an int >= 1"):
+            tiny_config(image_size=bad)

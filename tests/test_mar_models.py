@@ -527,3 +527,10 @@ def test_num_sampling_steps_is_an_int_or_its_digits():
     with pytest.raises(ValueError, match="ddimN"):
         model.set_num_sampling_steps("ddim25")
     assert model.set_num_sampling_steps("30").diffloss.num_sampling_steps == 30
+
+
+def test_num_sampling_steps_given_as_digits_is_stored_as_an_int(tmp_path):
+    from test_mar_cspd import tiny_mar
+
+    model = tiny_mar(num_sampling_steps="25")
+    assert model.config.num_sampling_steps == 25  # ("25" was kept in the config as given)

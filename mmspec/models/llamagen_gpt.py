@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -457,9 +458,9 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
         args = preset_config(config) if isinstance(config, str) else config
         if not isinstance(args, LlamaGenGPTConfig):
             raise TypeError(f"config must be a preset name or LlamaGenGPTConfig, got {type(config).__name__}")
-        checkpoint = _checkpoint_object(checkpoint)
-        check_training_args(checkpoint, args)
-        state = official_state_dict(checkpoint)
+        loaded = _checkpoint_object(checkpoint)
+        check_training_args(loaded, args)
+        state = official_state_dict(loaded)
         model = cls.from_args(args)
         load_strict(model, state, where=str(checkpoint) if isinstance(checkpoint, (str, Path)) else "checkpoint")
         return model.eval()
@@ -489,6 +490,8 @@ def check_training_args(checkpoint, config: LlamaGenGPTConfig) -> None:
     get = (lambda k: saved.get(k)) if isinstance(saved, dict) else (lambda k: getattr(saved, k, None))
     wrong = []
     size, down = get("image_size"), get("downsample_size")
+    size = int(size) if isinstance(size, numbers.Integral) else size  # (NumPy ints too)
+    down = int(down) if isinstance(down, numbers.Integral) else down
     if isinstance(size, int) and isinstance(down, int) and down > 0 and (size // down) ** 2 != config.block_size:
         wrong.append(f"image_size {size} / downsample_size {down} -> {(size // down) ** 2} image tokens, the config's "
                      f"block_size {config.block_size}")
@@ -499,11 +502,18 @@ def check_training_args(checkpoint, config: LlamaGenGPTConfig) -> None:
             wrong.append(f"{key} {value!r}, the config's {field} {getattr(config, field)!r}")
     if wrong:
         model = get("gpt_model")
-        fits = [name for name, (m, image) in C2I_CHECKPOINTS.items() if (m, image) == (model, size) and down == 16]
-        if fits:
+        released = all(get(k) in (None, v) for k, v in (("vocab_size", 16384), ("num_classes", 1000),
+                                                        ("cls_token_num", 1)))
+        fits = [name for name, (m, image) in C2I_CHECKPOINTS.items()
+                if (m, image) == (model, size) and down == 16 and released]
+        if get("gpt_type") not in (None, "c2i"):
+            hint = f"; gpt_type {get('gpt_type')!r} is not supported (class-conditional 'c2i' only)"
+        elif fits:
             hint = f"; use preset {fits[0]!r}"
         elif model in GPT_PRESETS and isinstance(size, int) and isinstance(down, int) and down > 0:
-            hint = f"; use preset_config({model!r}, block_size={(size // down) ** 2}, ...)"
+            extra = "".join(f", {field}={get(key)!r}" for key, field in (("vocab_size", "vocab_size"),
+                            ("num_classes", "num_classes")) if get(key) is not None)
+            hint = f"; use preset_config({model!r}, block_size={(size // down) ** 2}{extra})"
         else:
             hint = "; pass a LlamaGenGPTConfig that matches"
         raise ValueError("the checkpoint's training args disagree with the config: " + "; ".join(wrong) + hint)

@@ -64,8 +64,9 @@ class VQConfig:
         if self.decoder_ch_mult is not None:
             object.__setattr__(self, "decoder_ch_mult", tuple(int(m) for m in self.decoder_ch_mult))
         for name in ("codebook_size", "codebook_embed_dim", "ch", "z_channels", "num_res_blocks", "image_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"VQConfig.{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)  # (a float image_size gave a float grid; a str, a raw TypeError)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"VQConfig.{name} must be an int >= 1, got {value!r}")
         for name in ("ch_mult", "decoder_ch_mult"):
             mult = getattr(self, name)
             if mult is None:
@@ -375,6 +376,7 @@ class LlamaGenVQ(nn.Module):
         vq_ds16_c2i.pt serves its 256-px GPTs (16x16 tokens) and 384-px ones (`image_size=384`,
         24x24). Always strict: missing, unexpected or mis-shaped keys -> ValueError."""
         path = Path(path)
+        given = config is not None
         if path.is_dir():
             if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
                 raise ValueError(f"{path} lacks {CONFIG_NAME} or {WEIGHTS_NAME}")
@@ -398,8 +400,11 @@ class LlamaGenVQ(nn.Module):
         shapes = [f"{k}: file {tuple(state[k].shape)} vs config {tuple(own[k].shape)}"
                   for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
         if shapes:  # (a raw RuntimeError from load_state_dict before)
+            fix = ("leave config=None to read it off the file" if given else
+                   f"the folder's {CONFIG_NAME} does not describe its weights" if path.is_dir() else
+                   "the file's shapes are inconsistent")
             raise ValueError(f"{path}: state dict does not match VQConfig: {len(shapes)} tensors of other shapes, "
-                             f"e.g. {shapes[:3]}; leave config=None to read it off the file")
+                             f"e.g. {shapes[:3]}; {fix}")
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{path}: state dict does not match VQConfig; missing keys {missing[:8]}"

@@ -64,7 +64,8 @@ class LlamaGenVQModel(ModelMixin, ConfigMixin):
         if (folder / WEIGHTS_NAME).is_file() and (folder / CONFIG_NAME).is_file():
             config = json.loads((folder / CONFIG_NAME).read_text())
             if "_class_name" not in config:  # a LlamaGenVQ folder (config.json in VQConfig fields)
-                model = cls.from_vq(LlamaGenVQ.from_pretrained(folder))
+                # (`image_size` as for a diffusers folder, where it overrides the config; it was ignored here)
+                model = cls.from_vq(LlamaGenVQ.from_pretrained(folder, image_size=kwargs.get("image_size")))
                 dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
                 return (torch.nn.Module.to(model, dtype) if dtype is not None else model).eval()
         return strict_from_pretrained(super().from_pretrained, cls.__name__, pretrained_model_name_or_path, *args, **kwargs)

@@ -160,6 +160,7 @@ class MARModel(ModelMixin, ConfigMixin):
     ) -> None:
         super().__init__()
         num_sampling_steps = sampling_steps(num_sampling_steps)
+        self.register_to_config(num_sampling_steps=num_sampling_steps)  # the int ("25" was kept as given)
         if img_size % (vae_stride * patch_size):
             raise ValueError(f"img_size={img_size} must be divisible by vae_stride * patch_size = {vae_stride * patch_size}")
         for name, dim, heads in (("encoder", encoder_embed_dim, encoder_num_heads), ("decoder", decoder_embed_dim, decoder_num_heads)):
