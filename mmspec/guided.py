@@ -217,12 +217,11 @@ class GuidedTarget:
                 if other is None or (other is value and (Lu != Lc or not torch.equal(
                         input_ids.masked_fill(attention_mask == 0, -1).cpu(),
                         u_ids_given.masked_fill(u_mask[:, L - Lu:] == 0, -1).cpu()))):
-                    raise ValueError(
-                        f"model input {name!r} [B, {Lc}] follows the conditional prompts token by token; the "
-                        f"unconditional prompts {'differ' if Lu == Lc else f'have {Lu} tokens'}, so "
-                        f"{'None' if other is None else 'reusing it'} would misalign it: make_uncond must return "
-                        f"that half's own {name!r} [B, {Lu}]"
-                    )
+                    why = ("None cannot stand for it (each unconditional prompt token needs its entry)" if other is None
+                           else f"the unconditional prompts {'differ' if Lu == Lc else f'have {Lu} tokens'}, so "
+                                "reusing it would misalign it")
+                    raise ValueError(f"model input {name!r} [B, {Lc}] follows the conditional prompts token by token; "
+                                     f"{why}: make_uncond must return that half's own {name!r} [B, {Lu}]")
                 if not isinstance(other, torch.Tensor) or tuple(other.shape) != (B, Lu):
                     raise ValueError(f"make_uncond returned model input {name!r} as {type(other).__name__} "
                                      f"{tuple(getattr(other, 'shape', ()))}; it must be a tensor [{B}, {Lu}] (one "

@@ -193,7 +193,7 @@ def test_per_token_and_per_row_inputs_follow_each_half_or_are_refused():
                            r"'token_type_ids' \[B, 3\] follows the conditional prompts token by token; the "
                            r"unconditional prompts have 5 tokens, so reusing it would misalign it"),
                           (lambda i, m, x: (i + 1, m, x), r"the unconditional prompts differ, so reusing it"),
-                          (lambda i, m, x: (i, m, {"token_type_ids": None}), r"so None would misalign it"),
+                          (lambda i, m, x: (i, m, {"token_type_ids": None}), r"None cannot stand for it"),
                           (lambda i, m, x: (longer, torch.ones_like(longer), {"token_type_ids": types.clone()}),
                            r"must be a tensor \[2, 5\]")]:
         with pytest.raises(ValueError, match=message):
