@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import cached_arange, check_distributions, check_generator, draw, sample_from
+from mmspec.sampling import cached_arange, check_distributions, check_generator, draw, ids_in_range, sample_from
 from mmspec.types import AcceptanceResult
 
 
@@ -39,7 +39,7 @@ def check_chain_inputs(
     V = target_probs.shape[2]
     if V == 0:
         raise ValueError("target_probs has an empty vocabulary (V = 0); a distribution needs at least one token")
-    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
+    if not ids_in_range(draft_tokens, V):  # SYNC: input validation
         raise ValueError(f"draft_tokens must lie in [0, V={V}); got values outside that range")
     if draft_probs is not None:
         if not isinstance(draft_probs, torch.Tensor) or tuple(draft_probs.shape) != (B, K, V):

@@ -29,11 +29,11 @@ import torch
 from mmspec.in_use import exclusive
 from mmspec.adaptive import DraftLengthController
 from mmspec.protocols import check_drafter, check_rule, check_target, is_target
-from mmspec.sampling import SamplingConfig, check_generator, plain_number, probs_finite, process_logits
+from mmspec.sampling import SamplingConfig, check_generator, ids_in_range, plain_number, probs_finite, process_logits
 from mmspec.stats import SpecStats
 from mmspec.timing import PhaseTimer
 from mmspec.position_noise import PositionNoise
-from mmspec.tree import verify_draft
+from mmspec.tree import parents_precede_children, verify_draft
 from mmspec.emit import _Emitter
 from mmspec.types import Draft
 
@@ -375,12 +375,10 @@ def _check_draft(draft, rows: int, vocab: int, on_host: bool, drafter) -> None:
     if q is not None and (not isinstance(q, torch.Tensor) or tuple(q.shape) != (*draft.tokens.shape, vocab)):
         raise ValueError(f"{name}.propose returned Draft.draft_probs {tuple(getattr(q, 'shape', ()))}; it must be "
                          f"None or [{rows}, {draft.tokens.shape[1]}, {vocab}] (one distribution per drafted token)")
-    if on_host and draft.tokens.numel() and not 0 <= int(draft.tokens.min()) <= int(draft.tokens.max()) < vocab:
+    if on_host and not ids_in_range(draft.tokens, vocab):
         raise ValueError(f"{name}.propose drafted token ids outside the target's vocabulary 0..{vocab - 1} "
                          f"(min {int(draft.tokens.min())}, max {int(draft.tokens.max())})")
-    N = draft.tokens.shape[1]
-    if on_host and not draft.is_chain and N and not bool(
-            ((draft.parents >= -1) & (draft.parents < torch.arange(N, device=draft.parents.device))).all()):
+    if on_host and not draft.is_chain and not parents_precede_children(draft.parents):
         raise ValueError(f"{name}.propose returned a tree whose parents[b, i] are not all -1 (the root) or a node "
                          f"index < i (parents precede their children)")
 

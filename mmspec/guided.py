@@ -25,6 +25,12 @@ from mmspec.types import CommitInfo, FeatureRequest, TargetOutput
 UncondBuilder = Callable[[torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
+def _placeholders_at(ids: torch.Tensor, mask: torch.Tensor, token_ids) -> torch.Tensor:
+    """[B, L] bool: the real (unmasked) tokens of `ids` that are one of `token_ids`."""
+    wanted = torch.tensor(list(token_ids), dtype=ids.dtype, device=ids.device)
+    return (ids[..., None] == wanted).any(-1) & (mask.to(ids.device) != 0)
+
+
 def _left_pad(ids: torch.Tensor, mask: torch.Tensor, length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     extra = length - ids.shape[1]
     if extra == 0:
@@ -187,8 +193,8 @@ class GuidedTarget:
         reused = [name for name, v in model_inputs.items() if u_inputs.get(name, v) is v]
         absent = [name for name in model_inputs if name in u_inputs and u_inputs[name] is None]
         if every and (reused or absent):
-            per_row = [(ids.masked_fill(mask.to(ids.device) == 0, -1)[..., None] == torch.tensor(every, device=ids.device)
-                        ).any(-1).sum(1) for ids, mask in ((input_ids, attention_mask), (u_ids, u_mask))]
+            per_row = [_placeholders_at(ids, mask, every).sum(1) for ids, mask in
+                       ((input_ids, attention_mask), (u_ids, u_mask))]
             if reused and not torch.equal(per_row[0], per_row[1].to(per_row[0].device)):  # SYNC: prefill check
                 raise ValueError(
                     f"the unconditional prompts hold {per_row[1].tolist()} image / video placeholder tokens per row "
@@ -206,7 +212,6 @@ class GuidedTarget:
         Lc, Lu = input_ids.shape[1], u_ids.shape[1]
         L = max(Lc, Lu)
         c_ids, c_mask = _left_pad(input_ids, attention_mask, L, self.pad_token_id)
-        u_ids_given = u_ids
         u_ids, u_mask = _left_pad(u_ids, u_mask.to(attention_mask.dtype), L, self.pad_token_id)
         inputs = {}
         for name, value in model_inputs.items():
@@ -216,7 +221,7 @@ class GuidedTarget:
                 # Per prompt token (token_type_ids, ...): it follows each half's own prompt, left-padded with it.
                 if other is None or (other is value and (Lu != Lc or not torch.equal(
                         input_ids.masked_fill(attention_mask == 0, -1).cpu(),
-                        u_ids_given.masked_fill(u_mask[:, L - Lu:] == 0, -1).cpu()))):
+                        u_ids.masked_fill(u_mask == 0, -1).cpu()))):  # (equal lengths: nothing was padded)
                     why = ("None cannot stand for it (each unconditional prompt token needs its entry)" if other is None
                            else f"the unconditional prompts {'differ' if Lu == Lc else f'have {Lu} tokens'}, so "
                                 "reusing it would misalign it")
@@ -259,9 +264,9 @@ class GuidedTarget:
         if out.image_features is not None:
             # A VLM's features come flattened per image token, in row order (the conditional rows'
             # tokens first); other targets' per row.
-            images = torch.tensor(placeholders.get("image", []), dtype=c_ids.dtype, device=c_ids.device)
-            tokens = (torch.cat([c_ids, u_ids])[..., None] == images).any(-1) & (torch.cat([c_mask, u_mask]) != 0)
-            if images.numel() and int(tokens.sum()) == out.image_features.shape[0]:  # SYNC: prefill
+            images = placeholders.get("image", [])
+            tokens = _placeholders_at(torch.cat([c_ids, u_ids]), torch.cat([c_mask, u_mask]), images)
+            if images and int(tokens.sum()) == out.image_features.shape[0]:  # SYNC: prefill
                 image_split = int(tokens[:B].sum())
             elif out.image_features.shape[0] != 2 * B:
                 raise ValueError(

@@ -233,3 +233,8 @@ def check_distributions(name: str, probs: torch.Tensor | None) -> None:
     if worst > tol:
         raise ValueError(f"{name} rows must each sum to 1 (distributions over the vocabulary), got a row "
                          f"{worst:.3g} away; pass mmspec.process_logits(logits, ...)")
+
+
+def ids_in_range(ids: torch.Tensor, size: int) -> bool:
+    """Every entry of `ids` in [0, size) (True when empty). SYNC."""
+    return not ids.numel() or (int(ids.min()) >= 0 and int(ids.max()) < size)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.sampling import cached_arange, check_distributions, check_generator, draw
+from mmspec.sampling import cached_arange, check_distributions, check_generator, draw, ids_in_range
 from mmspec.types import Draft, Verdict
 
 
@@ -50,6 +50,12 @@ def depths(visibility: torch.Tensor) -> torch.Tensor:
     return visibility.sum(-1) - 1
 
 
+def parents_precede_children(parents: torch.Tensor) -> bool:
+    """parents [B, N]: node i's parent is the root (-1) or an earlier node. SYNC."""
+    N = parents.shape[-1]
+    return not parents.numel() or bool(((parents >= -1) & (parents < torch.arange(N, device=parents.device))).all())
+
+
 def verify_tree(
     rule,
     draft_tokens: torch.Tensor,  # [B, N]
@@ -79,10 +85,9 @@ def verify_tree(
                          f"{target_probs.dtype} with V = {target_probs.shape[2]}")
     check_generator(generator)
     V = target_probs.shape[2]
-    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):  # SYNC: input validation
+    if not ids_in_range(draft_tokens, V):  # SYNC: input validation
         raise ValueError(f"draft_tokens must lie in [0, V={V}); got values outside that range")
-    # node i's parent is the root (-1) or an earlier node: parents precede children
-    if parents.numel() and not bool(((parents >= -1) & (parents < torch.arange(N, device=parents.device))).all()):
+    if not parents_precede_children(parents):
         raise ValueError("parents[b, i] must be -1 (the root) or a node index < i (parents precede their children)")
     check_distributions("target_probs", target_probs)
     return verify_tree_unchecked(rule, draft_tokens, parents, target_probs, generator=generator)
