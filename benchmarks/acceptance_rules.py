@@ -10,6 +10,8 @@
 3. Continuous (CSpD) acceptance on 4-D Gaussians: KS test per dimension, moments, fallbacks.
 """
 
+import argparse
+
 import torch
 from scipy import stats
 
@@ -65,6 +67,7 @@ def continuous_check(g):
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; --help says what runs
     g = torch.Generator().manual_seed(0)
     exact_check(g)
     relaxed_rules(g)
