@@ -216,8 +216,8 @@ class GuidedTarget:
         inputs = {}
         for name, value in model_inputs.items():
             other = u_inputs.get(name, value)
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point() and (
-                    value.shape == input_ids.shape):
+            if name not in PER_IMAGE_INPUTS and isinstance(value, torch.Tensor) and value.dim() == 2 and (
+                    not value.is_floating_point() and value.shape == input_ids.shape):
                 # Per prompt token (token_type_ids, ...): it follows each half's own prompt, left-padded with it.
                 if other is None or (other is value and (Lu != Lc or not torch.equal(
                         input_ids.masked_fill(attention_mask == 0, -1).cpu(),

@@ -202,3 +202,20 @@ def test_per_token_and_per_row_inputs_follow_each_half_or_are_refused():
     target = mmspec.GuidedTarget(inner, 2.0, make_uncond=lambda i, m, x: (i, m, {"rows": None}))
     with pytest.raises(ValueError, match=r"None for model input 'rows'; None .* is for per-image inputs"):
         target.prefill(ids, mask, {"rows": torch.zeros(2, 4, 4)}, 4, 0)
+
+
+def test_a_per_image_input_shaped_like_the_prompts_is_not_taken_for_a_per_token_one():
+    """`image_grid_thw` [B images, 3] beside 3-token prompts has the shape of `input_ids`; it is a
+    per-image input by name, so the unconditional half may drop it (None) or reuse it with
+    longer prompts, as for any other image input."""
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    grid = torch.tensor([[1, 2, 2], [1, 2, 4]])
+    longer = torch.tensor([[9, 9, 3, 4, 5], [9, 9, 6, 7, 8]])
+    inner = RecordingTarget()
+    mmspec.GuidedTarget(inner, 2.0, make_uncond=lambda i, m, x: (longer, torch.ones_like(longer), x)).prefill(
+        ids, torch.ones_like(ids), {"image_grid_thw": grid}, 4, 0)
+    assert torch.equal(inner.seen[2]["image_grid_thw"], torch.cat([grid, grid]))
+    inner = RecordingTarget()
+    mmspec.GuidedTarget(inner, 2.0, make_uncond=lambda i, m, x: (i, m, {"image_grid_thw": None})).prefill(
+        ids, torch.ones_like(ids), {"image_grid_thw": grid}, 4, 0)
+    assert torch.equal(inner.seen[2]["image_grid_thw"], grid)
