@@ -69,7 +69,7 @@ def _eos_list(eos_token_id) -> list[int]:
     return ids
 
 
-def _check_inputs(input_ids, attention_mask, max_new_tokens):
+def _check_inputs(input_ids, attention_mask, max_new_tokens, pad_token_id=None, eos=()):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(
             f"input_ids must be a LongTensor of shape [batch, length], got "
@@ -84,7 +84,18 @@ def _check_inputs(input_ids, attention_mask, max_new_tokens):
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if attention_mask is None:
-        return torch.ones_like(input_ids)
+        # As transformers' generate: a pad_token_id given, found in input_ids and not an EOS id marks padding.
+        if pad_token_id is None or pad_token_id in eos or not bool((input_ids == pad_token_id).any()):  # SYNC: once
+            return torch.ones_like(input_ids)
+        try:
+            return check_attention_mask((input_ids != pad_token_id).long(), input_ids)
+        except ValueError:
+            raise ValueError(
+                f"attention_mask=None: like transformers' generate, mmspec then takes padding from pad_token_id="
+                f"{pad_token_id} (it occurs in input_ids and is not an EOS id), but it occurs inside or fills a prompt, "
+                "so the prompts are not left-padded; pass the tokenizer's attention_mask, or a pad_token_id the "
+                "prompts do not hold"
+            ) from None
     return check_attention_mask(attention_mask, input_ids)
 
 
@@ -287,19 +298,22 @@ def speculative_generate(
     target's prefill; the target refuses any it does not use. `eos_token_id=None` stops rows only
     at `max_new_tokens` (unlike transformers' `generate`, the model's generation config is not
     read): pass the tokenizer's EOS id(s) to end rows there. Finished rows are padded with
-    `pad_token_id`, by default the first EOS id (0 without one)."""
+    `pad_token_id`, by default the first EOS id (0 without one). `attention_mask=None`: every
+    token is real, unless `pad_token_id` is given, occurs in `input_ids` and is not an EOS id
+    (then, as in transformers' `generate`, the mask is `input_ids != pad_token_id`)."""
     max_new_tokens, pad_token_id = plain_number(max_new_tokens), plain_number(pad_token_id)
     sampling = SamplingConfig(temperature, top_k, top_p)
     check_generator(generator)
-    attention_mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
+    if pad_token_id is not None and (not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool)
+                                     or pad_token_id < 0):
+        raise ValueError(f"pad_token_id must be None or an int >= 0, got {pad_token_id!r}")
+    eos = _eos_list(eos_token_id)
+    attention_mask = _check_inputs(input_ids, attention_mask, max_new_tokens, pad_token_id, eos)
     for name, value in model_inputs.items():  # pixel_values, image_grid_thw, ...: not 'meta' (a model's own
         if isinstance(value, torch.Tensor) and value.is_meta:  # forward may take some, e.g. image_sizes, anywhere)
             check_same_device(name, value, input_ids)
-    eos = _eos_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0:
-        raise ValueError(f"pad_token_id must be None or an int >= 0, got {pad_token_id!r}")
     target = as_target(target)
     features = check_drafter(drafter)
     if drafter.vocab_size is None:  # (JacobiDrafter built without it; the image pipeline sets it)

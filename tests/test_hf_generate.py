@@ -246,3 +246,29 @@ def test_synced_gpus_left_to_its_default_is_refused_where_generate_would_sync(ta
     assert torch.equal(target.generate(**kw, synced_gpus=False), ref)  # asked off by the caller: runs
     monkeypatch.setattr(utils, "_get_torch_distributed_world_size", lambda: 1)
     assert torch.equal(target.generate(**kw), ref)  # one process: nothing to sync
+
+
+def test_no_attention_mask_takes_padding_from_pad_token_id_as_generate_does(target, good_drafter):
+    """attention_mask=None with a pad_token_id that is not EOS and occurs in input_ids: transformers'
+    generate masks those tokens, and so does speculative_generate (it attended to the padding: other
+    tokens than generate, silently)."""
+    ids, _ = left_padded([7, 3, 5, 1])  # padded with 0
+    ref = target.generate(input_ids=ids, do_sample=False, max_new_tokens=8, eos_token_id=2, pad_token_id=0)
+    for drafter in (ModelDrafter(good_drafter, 3), ModelDrafter(target, 2)):
+        out = mmspec.speculative_generate(target, drafter, ids, None, temperature=0, max_new_tokens=8,
+                                          eos_token_id=2, pad_token_id=0)
+        assert torch.equal(out.sequences, ref)
+    # pad_token_id equal to an EOS id (or not given): every token is real, as in generate
+    ref = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                          eos_token_id=0, pad_token_id=0)
+    out = mmspec.speculative_generate(target, ModelDrafter(good_drafter, 3), ids, None, temperature=0,
+                                      max_new_tokens=8, eos_token_id=0, pad_token_id=0)
+    assert torch.equal(out.sequences, ref)
+    # a pad id inside a prompt cannot be taken for padding: refused by name, on both paths
+    holed = torch.tensor([[5, 6, 0, 7, 8], [9, 10, 11, 12, 13]])
+    with pytest.raises(ValueError, match=r"attention_mask=None: .* pad_token_id=0 .* occurs inside or fills a prompt"):
+        mmspec.speculative_generate(target, ModelDrafter(good_drafter, 3), holed, None, max_new_tokens=4,
+                                    eos_token_id=2, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"equals input_ids != pad_token_id=0: transformers' generate builds it"):
+        target.generate(input_ids=holed, do_sample=False, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
+                        custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))

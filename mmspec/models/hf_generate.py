@@ -281,6 +281,14 @@ def speculative_decoding(
     if pad is None:
         pad = eos[0] if eos else 0
     attention_mask = model_kwargs.pop("attention_mask", None)
+    if attention_mask is not None and cfg.pad_token_id is not None and attention_mask.shape == input_ids.shape:
+        am = attention_mask.long()
+        if bool((am[:, 1:] < am[:, :-1]).any()) and torch.equal(am, (input_ids != pad).long()):  # SYNC: once
+            raise ValueError(  # most likely the mask generate built from pad_token_id, not a tokenizer's
+                f"the attention_mask has a hole inside a prompt and equals input_ids != pad_token_id={pad}: transformers' "
+                "generate builds it that way when no attention_mask is passed and pad_token_id occurs inside a prompt; "
+                "pass the tokenizer's (left-padded) attention_mask, or a pad_token_id the prompts do not hold"
+            )
     if model_type_of(model) not in MROPE_MODEL_TYPES:  # there generate fills in its own M-RoPE positions
         _check_position_ids(model_kwargs.get("position_ids"), input_ids, attention_mask)
     extra = {k: v for k, v in model_kwargs.items() if k not in _DROPPED_KWARGS and v is not None}
