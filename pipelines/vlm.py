@@ -9,7 +9,7 @@ diffusers conventions (components registered and swappable, `save_pretrained` /
     out.texts, out.sequences, out.stats, out.errors
 
 Components: `target` (a transformers LLaVA-1.5 / LLaVA-NeXT / Qwen2-VL / Qwen2.5-VL model), its
-`processor` (chat template, image preprocessing, tokenizer; padded on the left), and the active
+`processor` (chat template, image preprocessing, tokenizer; each call pads on the left), and the active
 `drafter` (a `DrafterComponent`: text LM, EAGLE head or ViSpec head). A saved pipeline keeps
 every drafter added to it under `drafters/<name>/`; `pipe.load_drafter(name_or_dir)` switches.
 
@@ -25,6 +25,13 @@ identical either way; `acceptance="exact"` keeps sampled output distributed like
 once there is more than one batch a progress bar counts the items done
 (`pipe.set_progress_bar_config(disable=True)` silences it).
 
+Stopping and settings: a row ends at the target's `generation_config.eos_token_id` (every id
+of a list; the tokenizer's EOS where it has none) or after `max_new_tokens`; sampling comes from
+the call's `temperature` / `top_k` / `top_p` (default greedy), not from the generation config.
+Settings there that the loop cannot apply (`repetition_penalty`, `no_repeat_ngram_size`,
+`suppress_tokens`, minimum lengths, ...) are named in a warning: reset them on
+`pipe.target.generation_config` to decode as plain `model.generate` would without them.
+
 Errors: bad input (an image placeholder without an image, more images than placeholders, a
 drafter built for another target, an unsupported model type) raises ValueError naming it;
 an image file that is missing or cannot be decoded is reported in that item's `errors` entry
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -46,6 +54,7 @@ from mmspec.devices import check_dtype
 from mmspec.acceptance import get_rule
 from mmspec.engine import resolve_rule, speculative_generate
 from mmspec.sampling import SamplingConfig, check_generator, plain_number
+from mmspec.models.eval_mode import eval_modes
 from mmspec.models.hf_target import HFTarget
 from mmspec.stats import SpecStats
 
@@ -117,6 +126,24 @@ def _as_displayed_rgb(im):
     return im.convert("RGB")
 
 
+# generation_config fields that change what transformers' generate emits and that the speculative
+# loop has no counterpart for (sampling settings come from the pipeline call's own arguments).
+UNAPPLIED_GENERATION_FIELDS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
+                               "begin_suppress_tokens", "min_length", "min_new_tokens", "forced_bos_token_id",
+                               "forced_eos_token_id", "sequence_bias", "exponential_decay_length_penalty", "min_p",
+                               "typical_p", "epsilon_cutoff", "eta_cutoff", "num_beams", "stop_strings")
+
+
+def unapplied_generation_settings(config) -> list[str]:
+    """'name=value' for each field of `config` (a GenerationConfig) in UNAPPLIED_GENERATION_FIELDS
+    that is not transformers' default."""
+    from transformers import GenerationConfig
+
+    default = GenerationConfig()
+    return [f"{name}={getattr(config, name)!r}" for name in UNAPPLIED_GENERATION_FIELDS
+            if getattr(config, name, None) != getattr(default, name, None)]
+
+
 class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
     _optional_components = ["drafter"]  # (without it `components` left the drafter out)
 
@@ -146,18 +173,15 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         if name == "drafter" and value is not None:
             self._check_drafter_type(value)
         if name == "target":
-            check_target(value)
-            value = value.eval()
+            check_target(value)  # (its train / eval mode is the caller's: a call runs it in eval mode, then puts it back)
         super().__setattr__(name, value)
         if name == "drafter":
             self._prune_built()
         elif name == "target" and "_built" in self.__dict__:  # `pipe.target = model`: decode with that model
             self._spec_target = HFTarget(value)
             self._built = {}
-        elif name == "processor":  # at __init__ and on `pipe.processor = other`
-            tok = value.tokenizer
-            tok.padding_side = "left"  # batched decoding continues every row from its last column
-            self.image_token = getattr(value, "image_token", None) or getattr(tok, "image_token", None)
+        elif name == "processor":  # at __init__ and on `pipe.processor = other` (each call pads on the left)
+            self.image_token = getattr(value, "image_token", None) or getattr(value.tokenizer, "image_token", None)
 
     @staticmethod
     def _check_drafter_type(drafter) -> None:
@@ -390,6 +414,12 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
             raise ValueError("speculative=True needs a drafter: pass drafter= to from_pretrained, call "
                              "pipe.load_drafter(...), or use speculative=False")
         drafter = self._check_drafter(self.drafter) if speculative else PlainDecoding(self._spec_target.vocab_size)
+        unapplied = unapplied_generation_settings(self.target.generation_config)
+        if unapplied:  # (Python shows one warning text once per process)
+            warnings.warn(f"the target's generation_config sets {', '.join(unapplied)}, which this pipeline does not "
+                          "apply (it decodes the model's own distribution, sampled by the call's temperature / top_k / "
+                          "top_p), so its answers can differ from model.generate's; reset them on "
+                          "pipe.target.generation_config to silence this", stacklevel=2)
         # The options are checked here, once, not only inside each batch: with no batch to run (no
         # items, every image missing) bad values passed silently.
         max_new = plain_number(max_new_tokens)
@@ -422,7 +452,9 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
         # A bar over the items once the work spans several batches (`set_progress_bar_config(disable=True)`
         # silences it, as in every diffusers pipeline).
         # (closed also when a batch raises: a dead bar kept its line and pushed the next call's down)
-        with self.progress_bar(total=len(ready)) if len(chunks) > 1 else contextlib.nullcontext() as bar:
+        # (the target and drafter in eval mode for the call, each module's own mode put back after it)
+        with eval_modes(self.target, self.drafter if speculative else None), (
+                self.progress_bar(total=len(ready)) if len(chunks) > 1 else contextlib.nullcontext()) as bar:
             for chunk in chunks:
                 out = self._generate(chunk, drafter, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_k=top_k, top_p=top_p, acceptance=acceptance, generator=generator)
@@ -441,7 +473,8 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
 
     def _generate(self, chunk, drafter, **options):
         images = [image for _, loaded, _ in chunk for image in loaded]
-        enc = self.processor(images=images or None, text=[p for _, _, p in chunk], return_tensors="pt", padding=True)
+        enc = self.processor(images=images or None, text=[p for _, _, p in chunk], return_tensors="pt", padding=True,
+                             padding_side="left")  # batched decoding continues every row from its last column
         params = self._spec_target.spec.forward_params
         device = self.target.device  # the processor's tensors are made on the CPU
         inputs = {k: v for k, v in enc.items() if k in params and k not in ("input_ids", "attention_mask")}

@@ -134,12 +134,12 @@ class DrafterComponent(ModelMixin, ConfigMixin):
                 raise ValueError(f"text drafter vocabulary {self.lm.config.get_text_config().vocab_size} differs from "
                                  f"the target's {target.vocab_size}; it was trained for another target")
             if tree:
-                return ModelDrafter(self.lm.eval(), tree=tree)
-            return ModelDrafter(self.lm.eval(), K, max_draft_tokens=self.config.max_draft_tokens)
+                return ModelDrafter(self.lm, tree=tree)
+            return ModelDrafter(self.lm, K, max_draft_tokens=self.config.max_draft_tokens)
         from mmspec.drafters.flash import FlashDrafter
 
         cls = {"vispec": ViSpecDrafter, "flash": FlashDrafter}.get(self.config.kind, EagleHeadDrafter)
-        return cls(target, self.head.eval(), None if tree else K, tree=tree, max_draft_tokens=self.config.max_draft_tokens)
+        return cls(target, self.head, None if tree else K, tree=tree, max_draft_tokens=self.config.max_draft_tokens)
 
 
 def _chain_length(num_draft_tokens, tree) -> int | str:

@@ -196,7 +196,7 @@ def _run_generate(pipe, images, prompts, max_new_tokens: int):
     loaded = [pipe._load_images(img) for img in images]
     texts = [pipe._prompt(p, len(imgs)) for p, imgs in zip(prompts, loaded)]
     enc = pipe.processor(images=[i for imgs in loaded for i in imgs] or None, text=texts, return_tensors="pt",
-                         padding=True)
+                         padding=True, padding_side="left")
     dev = pipe.target.device
     enc = {k: (v.to(dev, pipe.target.dtype) if torch.is_floating_point(v) else v.to(dev)) for k, v in enc.items()}
     eos = pipe.target.generation_config.eos_token_id
@@ -248,7 +248,8 @@ def verify_cost(pipe, images, B: int, widths, calls: int = 20) -> dict:
     from mmspec.types import FeatureRequest
 
     imgs = [images[i % len(images)] for i in range(B)]
-    enc = pipe.processor(images=imgs, text=[pipe._prompt(None, 1)] * B, return_tensors="pt", padding=True)
+    enc = pipe.processor(images=imgs, text=[pipe._prompt(None, 1)] * B, return_tensors="pt", padding=True,
+                         padding_side="left")
     params = pipe._spec_target.spec.forward_params
     dev = pipe.target.device
     inputs = {k: (v.to(dev, pipe.target.dtype) if torch.is_floating_point(v) else v.to(dev)) for k, v in enc.items()

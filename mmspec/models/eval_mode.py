@@ -9,6 +9,8 @@ verification keeps the output exact."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -40,3 +42,18 @@ def check_eval_mode(model: torch.nn.Module, role: str = "target") -> None:
             "forward would drop other units, so its decoding is random and speculative decoding cannot equal it; "
             "call model.eval() first"
         )
+
+
+@contextlib.contextmanager
+def eval_modes(*models: torch.nn.Module | None):
+    """Every module of `models` (None skipped) in eval mode inside the block, each put back to
+    its own mode after it, also when the block raises (a pipeline called between training steps
+    leaves the caller's train / eval modes as they were)."""
+    saved = [(m, m.training) for model in models if model is not None for m in model.modules()]
+    for m, _ in saved:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in saved:  # per module: a model may keep some parts in eval mode on purpose
+            m.training = mode
