@@ -387,7 +387,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `mmspec ARGS`. Called in-process (a notebook, a test), it puts back what the commands
+    set for the process: HF_HUB_OFFLINE, torch's thread count (`--threads`) and torch's global
+    random state (the benches seed it)."""
+    import torch
+
+    offline, threads, rng = os.environ.get("HF_HUB_OFFLINE"), torch.get_num_threads(), torch.random.get_rng_state()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in mmspec downloads at run time
+    try:
+        return _main(argv)
+    finally:
+        if offline is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = offline
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in SUITES:
         # `mmspec bench SUITE ...`: each suite parses its own options (mmspec/bench/__init__.py).
