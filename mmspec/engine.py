@@ -29,12 +29,13 @@ import torch
 from mmspec.in_use import exclusive
 from mmspec.adaptive import DraftLengthController
 from mmspec.protocols import check_drafter, check_rule, check_target, is_target
-from mmspec.sampling import SamplingConfig, check_generator, ids_in_range, plain_number, probs_finite, process_logits
+from mmspec.sampling import SamplingConfig, check_generator, plain_number, probs_finite, process_logits
 from mmspec.stats import SpecStats
 from mmspec.timing import PhaseTimer
 from mmspec.position_noise import PositionNoise
-from mmspec.tree import parents_precede_children, verify_draft
+from mmspec.tree import verify_draft
 from mmspec.emit import _Emitter
+from mmspec.foreign_checks import check_draft, check_target_output, check_verdict, written_outside
 from mmspec.types import Draft
 
 
@@ -370,33 +371,6 @@ def speculative_generate(
         return SpecOutput(emitter.sequences(input_ids), loop.finish(emitter))
 
 
-def _check_draft(draft, rows: int, vocab: int, on_host: bool, drafter) -> None:
-    """A drafter written outside mmspec: its Draft's shapes, dtypes and (on the CPU, where the
-    read costs no sync) token range, checked before they reach the target's embedding lookup,
-    where a bad one failed as a raw IndexError (or a CUDA device-side assert)."""
-    name = type(drafter).__name__
-    if not isinstance(draft, Draft):
-        raise TypeError(f"{name}.propose must return a mmspec.types.Draft, got {type(draft).__name__}")
-    for field in ("tokens", "parents"):
-        t = getattr(draft, field)
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 2 or t.shape[0] != rows:
-            raise ValueError(f"{name}.propose returned Draft.{field} of {getattr(t, 'dtype', type(t))} "
-                             f"{tuple(getattr(t, 'shape', ()))}; it must be a torch.long tensor [{rows} active rows, N]")
-    if draft.parents.shape != draft.tokens.shape:
-        raise ValueError(f"{name}.propose returned Draft.parents {tuple(draft.parents.shape)} for tokens "
-                         f"{tuple(draft.tokens.shape)}; they must have the same shape")
-    q = draft.draft_probs
-    if q is not None and (not isinstance(q, torch.Tensor) or tuple(q.shape) != (*draft.tokens.shape, vocab)):
-        raise ValueError(f"{name}.propose returned Draft.draft_probs {tuple(getattr(q, 'shape', ()))}; it must be "
-                         f"None or [{rows}, {draft.tokens.shape[1]}, {vocab}] (one distribution per drafted token)")
-    if on_host and not ids_in_range(draft.tokens, vocab):
-        raise ValueError(f"{name}.propose drafted token ids outside the target's vocabulary 0..{vocab - 1} "
-                         f"(min {int(draft.tokens.min())}, max {int(draft.tokens.max())})")
-    if on_host and not draft.is_chain and not parents_precede_children(draft.parents):
-        raise ValueError(f"{name}.propose returned a tree whose parents[b, i] are not all -1 (the root) or a node "
-                         f"index < i (parents precede their children)")
-
-
 class _Loop:
     """The four calls of a step, timed per phase."""
 
@@ -411,6 +385,9 @@ class _Loop:
         # may be the drafter's own, so that it keeps learning across calls.
         self.controller = None
         if getattr(drafter, "adaptive", False):
+            if not callable(getattr(drafter, "set_draft_length", None)):
+                raise TypeError(f"drafter {type(drafter).__name__} says adaptive=True but has no set_draft_length(k), "
+                                "through which the loop sets each step's draft length (mmspec.protocols.Drafter)")
             self.controller = getattr(drafter, "controller", None) or DraftLengthController(drafter.max_draft_nodes)
         # mmspec's controller also learns how rows differ in acceptance (per-row counts by row id).
         self._row_ids = isinstance(self.controller, DraftLengthController)
@@ -426,9 +403,9 @@ class _Loop:
         # Drafts that a `propose` written outside mmspec made are checked before they reach the target
         # (a user subclass of an mmspec drafter that keeps its `propose` is not; one set on the
         # instance is).
-        propose = getattr(drafter, "propose", None)
-        propose = getattr(propose, "__func__", propose)
-        self.foreign_drafter = not str(getattr(propose, "__module__", "") or "").startswith("mmspec.")
+        self.foreign_drafter = written_outside(drafter, "propose")
+        self.foreign_rule = written_outside(rule, "verify_unchecked" if hasattr(rule, "verify_unchecked") else "verify")
+        self.foreign_target = written_outside(target, "verify")  # (its prefill and verify)
         self.drafter_began = False  # the drafter's prefill has run for this request
         # Drafter-invariant sampling (acceptance="invariant"): the loop perturbs the target's
         # distributions with noise keyed by (seed, row, position) and hands drafters the same noise.
@@ -446,6 +423,8 @@ class _Loop:
             input_ids, attention_mask, model_inputs, max_new_tokens, self.drafter.max_draft_nodes, features
         )
         self.stats.prefill_calls = 1
+        if self.foreign_target:
+            check_target_output(tout, input_ids.shape[0], None, self.target.vocab_size, self.target, "prefill")
         probs = process_logits(tout.logits[:, -1], self.sampling)
         if not bool(_finite(tout.logits[:, -1], probs, self.sampling)):  # SYNC: once, after prefill
             raise ValueError("non-finite probabilities (NaN or inf) from the target's prefill; check the model's dtype "
@@ -490,11 +469,13 @@ class _Loop:
         t0 = self.timer.mark()
         draft: Draft = self.drafter.propose(self.roots, self.sampling, self.generator)
         if self.foreign_drafter:
-            _check_draft(draft, len(rows), self.target.vocab_size, emitter.on_host, self.drafter)
+            check_draft(draft, len(rows), self.target.vocab_size, emitter.on_host, self.drafter)
         t1 = self.timer.mark()
         h1 = time.perf_counter()
         tokens = torch.cat([self.roots.unsqueeze(1), draft.tokens], 1)  # [Ba, N+1]
         tout = self.target.verify(tokens, None if draft.is_chain else draft.parents)
+        if self.foreign_target:
+            check_target_output(tout, len(rows), tokens.shape[1], self.target.vocab_size, self.target, "verify")
         if tokens.shape[1] == 1 and self.plain_step:
             # K = 0 (plain decoding, e.g. chosen by the adaptive controller): the rule's own
             # K = 0 answer (sample the target) without the chain machinery around it.
@@ -516,6 +497,9 @@ class _Loop:
                 finite = torch.stack([_finite(tout.logits, probs, self.sampling), drafted_ok])
             verdict = (verify_draft(self.rule, draft, probs, generator=self.generator) if starts is None
                        else self.noise.verdict(self.rule, draft, probs, rows, starts))  # acceptance="invariant"
+            if self.foreign_rule:
+                check_verdict(verdict, len(rows), draft.tokens.shape[1], self.target.vocab_size, emitter.on_host,
+                              self.rule)
             info, n_host, count_host, keep = emitter.emit(tokens, verdict, finite, draft.is_chain)
         info.is_chain = draft.is_chain
         if verdict is not None and verdict.distortion is not None:  # summed on the device; read once at the end

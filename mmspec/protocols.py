@@ -9,7 +9,7 @@ One step of `mmspec.speculative_generate` for the B active rows is
     target.commit(info); drafter.commit(info, out)             # roll caches back per row
 
 Each component owns its own state (KV caches, image features, CFG halves, Jacobi windows);
-the loop only moves tokens and node indices between them. Everything the loop relies on is
+the loop only moves tokens and node indices between them. Everything the loop reads is
 declared here: required members are checked before the first step (a missing one is a
 TypeError naming it); optional capabilities have a documented default.
 
@@ -47,7 +47,18 @@ class Target(Protocol):
       what it emitted, the stats count what ran). The image pipeline's callback stop uses it.
     - `placeholder_token_ids: dict[str, list[int]]` ("image" / "video"; default none): a VLM's
       placeholder tokens, which `GuidedTarget` counts to split image features between its halves
-      and to check an unconditional half that reuses the conditional model inputs."""
+      and to check an unconditional half that reuses the conditional model inputs.
+    - `max_positions: int | None` (default None: unbounded): the size of a learnt position table;
+      a request that could reach past it is refused up front (a `cappable` chain is held short).
+    - `max_output_tokens: int` (default unbounded): the most tokens the target generates (an
+      image's token grid); a larger `max_new_tokens` is refused.
+    - `acceptance_tables() -> dict[str, Tensor]`: tables a rule named by string needs (LANTERN's
+      `codebook`, GSD's `embeddings`, cluster_exact's `labels`), used unless the caller passes
+      them in `acceptance_kwargs`.
+    - `kernels: str`: a label of the kernels it runs on, reported in `SpecStats.kernels`.
+
+    For a `prefill` / `verify` written outside mmspec the loop checks each returned
+    `TargetOutput` (type, logits [B, N+1, V]; prefill [B, L, V] with the last column read)."""
 
     vocab_size: int
 
@@ -95,10 +106,22 @@ class Drafter(Protocol):
     - `cappable: bool` with `cap_draft_length(n)` (default: not capped): the loop may hold the
       next chain to n drafts (what the longest row can still emit, or room before a position
       table's end), called before each `propose`.
+    - `adaptive: bool` with `set_draft_length(k)` (default: a fixed length): the loop chooses each
+      step's draft length k (0..max_draft_nodes; 0 = a plain step) and calls `set_draft_length(k)`
+      before `propose`; its choices come from `controller` when the drafter has one (e.g. a
+      `mmspec.adaptive.DraftLengthController` that keeps learning across calls), else from a
+      fresh `DraftLengthController(max_draft_nodes)` per call. `adaptive` without a callable
+      `set_draft_length` is a TypeError.
+    - `tree` (a `TreeConfig` or None): a tree's `depth` bounds how far past its root a step's
+      drafts reach (checked against `max_positions`); `max_positions` and `acceptance_tables()`
+      as for a target.
+    - `shadow_probes: bool`: the drafter can score a plain stretch for the adaptive controller
+      (`mmspec.shadow_acceptance`; mmspec's `ModelDrafter`).
 
     `propose` returns a `Draft` of `torch.long` tokens and parents `[active rows, N]`; for
-    a `propose` written outside mmspec the loop checks that (and, on the CPU, the token ids and a
-    tree's parents)."""
+    a `propose` written outside mmspec the loop checks that, at most `max_draft_nodes` nodes,
+    and, on the CPU, the token ids, a chain's or tree's parents and the draft distributions
+    (rows summing to 1, chains only, each drafted token given a positive probability)."""
 
     vocab_size: int
     max_draft_nodes: int  # the most nodes `propose` returns (the target reserves cache room)
@@ -142,7 +165,14 @@ class AcceptanceRule(Protocol):
     - `position_keyed: bool` (default False): the loop replaces the target's distributions by the
       one-hots of their Gumbel-max tokens under position-keyed noise (`mmspec.position_noise`)
       before the rule sees them; with `verify_top(draft_tokens, top) -> AcceptanceResult` chains
-      are verified from those tokens directly (`DrafterInvariantAcceptance`)."""
+      are verified from those tokens directly (`DrafterInvariantAcceptance`).
+    - `greedy_only: bool` (default False): the rule is refused when sampling (temperature > 0).
+    - `accept_and_distortion(x, p, q) -> (alpha [M], distortion [M])`: trees take both from one
+      call where the rule has it.
+
+    For a `verify` written outside mmspec the loop checks each result: `num_accepted` and
+    `next_tokens` long tensors [B] and, on the CPU, 0 <= num_accepted <= K and next tokens in the
+    vocabulary."""
 
     lossless: bool
 

@@ -155,5 +155,8 @@ def verify_draft(
     B, N = draft.tokens.shape
     chain_verify = getattr(rule, "verify_unchecked", None) or rule.verify
     res = chain_verify(draft.tokens, draft.draft_probs, target_probs, generator=generator)
+    if not (hasattr(res, "num_accepted") and hasattr(res, "next_tokens")):  # (a rule written outside mmspec)
+        raise TypeError(f"{type(rule).__name__}.verify must return a mmspec.types.AcceptanceResult, got "
+                        f"{type(res).__name__}")
     path = cached_arange(0, N + 1, 1, draft.tokens.device).expand(B, N + 1)
     return Verdict(path=path, num_accepted=res.num_accepted, next_tokens=res.next_tokens, distortion=res.distortion)

@@ -1,8 +1,11 @@
 """A drafter written outside mmspec whose Draft is malformed (not a Draft, tokens of another
 dtype or row count, parents of another shape, draft_probs of another vocabulary, token ids past
 the target's vocabulary) is refused with a ValueError / TypeError naming the drafter and the
-field, before the tokens reach the target's embedding lookup (a raw IndexError before). A
-well-formed foreign drafter still decodes exactly like plain greedy decoding."""
+field, before the tokens reach the target's embedding lookup (a raw IndexError before); so are
+more nodes than its max_draft_nodes, a chain's wrong parents, and draft distributions that are
+not distributions, give a drafted token probability 0 or come with a tree (exact sampling then
+emitted from another law, silently). A well-formed foreign drafter still decodes exactly like
+plain greedy decoding."""
 
 from __future__ import annotations
 
@@ -66,6 +69,20 @@ def test_a_well_formed_custom_drafter_runs_and_stays_lossless(target):
      r"Draft.parents \(4, 1\) for tokens \(4, 2\); they must have the same shape"),
     (lambda d: Draft(tokens=d.tokens, parents=d.parents, draft_probs=torch.full((4, 2, 32), 1 / 32)), ValueError,
      r"Draft.draft_probs \(4, 2, 32\); it must be None or \[4, 2, 40\]"),
+    (lambda d: Draft(tokens=torch.cat([d.tokens, d.tokens], 1), parents=torch.arange(-1, 3).repeat(4, 1)),
+     ValueError, r"CustomDrafter.propose returned 4 draft nodes per row, more than its max_draft_nodes=2"),
+    (lambda d: Draft(tokens=d.tokens, parents=torch.full_like(d.parents, -1)), ValueError,
+     r"returned is_chain=True with parents that are not a chain's \[-1, 0, 1, ...\]"),
+    # draft_probs: rows that are no distributions, or giving the drafted token probability 0, made exact
+    # sampling emit from another law without a word (the drafted token was accepted with p / 0 = inf)
+    (lambda d: Draft(tokens=d.tokens, parents=d.parents, draft_probs=torch.full((4, 2, 40), 1 / 8)), ValueError,
+     r"CustomDrafter.propose's Draft.draft_probs .* rows must each sum to 1"),
+    (lambda d: Draft(tokens=d.tokens, parents=d.parents,
+                     draft_probs=torch.ones(4, 2, 40).scatter(-1, d.tokens.unsqueeze(-1), 0.0) / 39), ValueError,
+     r"CustomDrafter.propose drafted tokens to which its own draft_probs give probability 0"),
+    (lambda d: Draft(tokens=d.tokens, parents=torch.full_like(d.parents, -1), is_chain=False,
+                     draft_probs=torch.full((4, 2, 40), 1 / 40)), ValueError,
+     r"returned draft_probs with a tree: .* draft_probs are for chains only"),
 ])
 def test_malformed_drafts_are_refused_by_name(target, mangle, error, message):
     with pytest.raises(error, match=message):
@@ -96,8 +113,8 @@ def test_only_a_propose_written_outside_mmspec_is_checked(target, monkeypatch):
     from mmspec.drafters import ModelDrafter
 
     calls = []
-    check = engine._check_draft
-    monkeypatch.setattr(engine, "_check_draft", lambda *a: (calls.append(1), check(*a))[1])
+    check = engine.check_draft
+    monkeypatch.setattr(engine, "check_draft", lambda *a: (calls.append(1), check(*a))[1])
 
     class Counting(ModelDrafter):
         def commit(self, info, target_out):
@@ -112,3 +129,17 @@ def test_only_a_propose_written_outside_mmspec_is_checked(target, monkeypatch):
         out, ids, mask = _run(target, cls(target, 3), n=6)
         assert torch.equal(out.sequences, reference(target, ids, mask, 6))
         assert (len(calls) == len(out.stats.nodes_per_step)) if checked else not calls
+
+
+def test_an_adaptive_drafter_without_set_draft_length_is_refused_by_name(target):
+    """`adaptive = True` on a drafter of its own failed as a raw AttributeError at the first step;
+    with `set_draft_length` the loop sets each step's length (0 = a plain step) and stays lossless."""
+    flagged = CustomDrafter(k=3)
+    flagged.adaptive = True
+    with pytest.raises(TypeError, match=r"drafter CustomDrafter says adaptive=True but has no set_draft_length"):
+        _run(target, flagged)
+    lengths = []
+    flagged.set_draft_length = lambda k: (lengths.append(k), setattr(flagged, "k", k))
+    out, ids, mask = _run(target, flagged, n=10)
+    assert torch.equal(out.sequences, reference(target, ids, mask, 10))
+    assert lengths and all(0 <= k <= 3 for k in lengths) and out.stats.nodes_per_step == lengths
