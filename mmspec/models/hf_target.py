@@ -193,7 +193,9 @@ class HFTarget(SpecTarget):
     """Wraps a `transformers.PreTrainedModel` with an LM head.
 
     `prepack` ("auto", True, False): run the model's linear layers on oneDNN-prepacked
-    weights (float32 CPU models; see mmspec/models/prepack.py). The model is not modified.
+    weights (float32 CPU models; see mmspec/models/prepack.py). The model's weights, modules and
+    modes are not modified (its views are cached on it as `_mmspec_packed_views`, which pickling
+    and copying leave empty).
     Build it once and reuse it across calls: the wrap (and the packed view) is paid once.
 
     `static` / `compile`: the opt-in GPU path (`SpecTarget`; docs/architecture.md, "GPU path").

@@ -52,9 +52,10 @@ class LlamaGenSpec(ForwardSpec):
     """Forward spec of a `LlamaGenGPT` (see module docstring). Works as target and as drafter spec.
 
     `prepack` ("auto", True, False): run the GPT's linear layers on oneDNN-prepacked weights
-    through a view of the model (mmspec/models/prepack.py; the model is not modified). "auto"
-    times both kernels on the GPT's own layers at a few row counts, once per model, and keeps
-    the faster one per row count (mmspec/models/kernel_choice.py): on CPUs where a verify of
+    through a view of the model (mmspec/models/prepack.py; its weights and modules are not
+    modified, the view is cached on it). "auto" times both kernels on the GPT's own layers at a
+    few row counts, once per model, and keeps the faster one per row count
+    (mmspec/models/kernel_choice.py): on CPUs where a verify of
     16 tokens x 2 CFG rows runs ~2x faster prepacked while a one-token step runs faster on
     stock kernels, each step gets its faster kernel. `kernels` says what was chosen."""
 
