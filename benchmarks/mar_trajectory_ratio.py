@@ -12,9 +12,9 @@ Here the target never leaves the draft's path, so the models' gap cannot compoun
 This script measures both acceptance rates on the bundled pair, on the tokens of generation
 steps 3..15 of plain samples (CFG 3.0 linear, 16 steps), and the mean log ratio each head step
 contributes. Session 33 (2026-11-26): temperature 0.7: last-step test 0.0000, trajectory test
-0.0209; temperature 1.0: 0.0000 and 0.0417, over 1952 tokens; the step from x_1 to x_0 (whose
-posterior variance is tiny) gives -41.6 of the log ratio at 0.7, the first step -0.95, the
-other 23 steps -0.03 to -3.4 each. So the trajectory test is not worth building for this pair.
+0.0209; temperature 1.0: 0.0000 and 0.0417, over 1952 tokens; the second-to-last step, from
+x_2 to x_1 (whose posterior variance is tiny), gives -41.6 of the log ratio at 0.7, the first
+step -0.95, the other 23 steps -0.03 to -3.4 each. So the trajectory test is not worth building for this pair.
 
     python benchmarks/mar_trajectory_ratio.py [--temperature 0.7] [--model assets/testbed/mar]
 """
