@@ -291,6 +291,8 @@ def test_pipeline_refuses_bad_inputs():
         pipe([0], num_iter=2)
     with pytest.raises(ValueError, match="class_labels"):
         pipe([7], num_iter=2, speculative=False)
+    with pytest.raises(ValueError, match=rf"class_labels must be in \[0, {m.config.class_num}\)"):  # the null class
+        pipe([m.config.class_num], num_iter=2, speculative=False)
     with pytest.raises(TypeError, match="speculative must be True or False"):  # "no" read as True
         pipe([0], num_iter=2, speculative="no")
     with pytest.raises(TypeError, match="drafter must be None or a MARModel"):  # diffusers: AttributeError '__module__'

@@ -1,6 +1,7 @@
 """The VLM pipeline leaves the caller's objects as they were: a target or drafter the caller is
 training keeps its train / eval modes (the call runs them in eval mode), the caller's processor keeps
-its padding side; generation_config settings the loop cannot apply are named in a warning."""
+its padding side; generation_config settings the loop cannot apply are named in a warning; rows of
+a batch that end at different lengths each get their own answer."""
 
 from __future__ import annotations
 
@@ -56,3 +57,23 @@ def test_generation_config_settings_the_loop_cannot_apply_are_named_in_a_warning
     with pytest.warns(UserWarning, match=r"sets repetition_penalty=1.05, min_new_tokens=8, which this pipeline does "
                                          r"not apply"):
         pipe(image, max_new_tokens=4)
+
+
+def test_batched_answers_of_different_lengths_equal_each_item_alone():
+    """Rows that stop at EOS after different lengths: each answer is cut out of the batch at its
+    own length (the tiny random models never emit EOS, so every other test's rows end together)."""
+    from mmspec.assets_dir import ASSETS
+
+    pipe = SpeculativeVLMPipeline.from_pretrained(ASSETS / "testbed" / "vlm")
+    pipe.set_progress_bar_config(disable=True)
+    images = random_images(3, seed=3, size=(64, 64))
+    prompts = [None, "what colour is the circle ?", "how many shapes are there ?"]
+    batch = pipe(images, prompts, max_new_tokens=40)
+    assert len(set(batch.stats.new_tokens)) == 3  # the case this test is about
+    for i in range(3):
+        alone = pipe(images[i], prompts[i], max_new_tokens=40)
+        assert batch.texts[i] == alone.texts[0] and torch.equal(batch.sequences[i], alone.sequences[0])
+    # plain decoding samples the target exactly whatever rule is named, and says so
+    plain = pipe(images[:2], max_new_tokens=6, temperature=1.0, speculative=False, acceptance="typical",
+                 generator=torch.Generator().manual_seed(0))
+    assert plain.stats.lossless is True
