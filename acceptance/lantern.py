@@ -22,7 +22,8 @@ Rejection (a sibling in a tree, or the first rejection of a chain):
   renormalise, p itself if nothing is left (alpha rounded just below 1). This is exact speculative sampling against the
   relaxed distribution p~ (x holds p(x) + c_J, its J neighbours 0), so the step's output
   follows p~, at TVD c_J from p. `zero_neighbours="k"` zeroes all k searched neighbours
-  instead whenever J >= 1, as the public code does (it zeroes `nearest_latents[x, :k+1]`).
+  instead whenever x borrowed mass (c_J > 0), as the public code does (it zeroes
+  `nearest_latents[x, :k+1]`).
 - sampled drafts: zero x's J (or k) nearest neighbours in q, renormalise q, then
   `p <- norm(max(p - q, 0))` (public code, sampled-tree branch).
 

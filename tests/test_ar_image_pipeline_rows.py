@@ -41,16 +41,18 @@ def test_a_stop_after_a_row_finished_keeps_every_image_in_its_own_slot():
         assert torch.equal(out.tokens[b, :counts[b]], full[b, :counts[b]])
 
 
-def test_a_drafter_gpt_drafts_under_the_targets_guidance():
-    """A drafter identical to the target, guided as the target is, has every draft accepted at
-    temperature 0; drafting unguided (what a lost guidance would do) it has not."""
+@pytest.mark.parametrize("schedule", ["constant", "linear"])
+def test_a_drafter_gpt_drafts_under_the_targets_guidance(schedule):
+    """A drafter identical to the target, guided as the target is (the same scale at the same
+    token index), has every draft accepted at temperature 0; drafting unguided, or one token off
+    the linear schedule, it has not."""
     target = tiny_gpt(0)
     pipe = SpeculativeARImagePipeline(target=target, vq=tiny_vq(), drafter=noisy_gpt(target, 0.0))
     pipe.set_progress_bar_config(disable=True)
-    out = pipe(LABELS.tolist(), guidance_scale=4.0, temperature=0, output_type="latent")
+    out = pipe(LABELS.tolist(), guidance_scale=4.0, cfg_schedule=schedule, temperature=0, output_type="latent")
     assert out.stats.drafter.startswith("GuidedModelDrafter")
     assert out.stats.accepted_drafts == out.stats.drafted_nodes > 0
-    assert torch.equal(out.tokens, plain_greedy(target, scale=4.0))
+    assert torch.equal(out.tokens, plain_greedy(target, scale=4.0, schedule=schedule))
 
 
 def test_a_vq_folder_loads_in_the_dtype_asked_for():
