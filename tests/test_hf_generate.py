@@ -51,7 +51,7 @@ def test_custom_generate_invariant_sampling_does_not_depend_on_the_drafter(targe
 
 def test_custom_generate_refuses_unsupported_processors(target, good_drafter):
     ids, mask = left_padded([5])
-    with pytest.raises(ValueError, match="RepetitionPenalty"):
+    with pytest.raises(ValueError, match=r"RepetitionPenaltyLogitsProcessor \(the generation option repetition_penalty\)"):
         target.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=0,
                         repetition_penalty=1.3, custom_generate=speculative_decoding,
                         drafter=ModelDrafter(good_drafter, 3))
@@ -71,7 +71,8 @@ def test_minimum_lengths_that_cannot_act_are_let_through(target, good_drafter):
         out = target.generate(**kw, **extra, custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
         assert torch.equal(out, ref)
     for extra in (dict(min_new_tokens=2), dict(min_length=ids.shape[1] + 2)):
-        with pytest.raises(ValueError, match="MinLengthLogitsProcessor|MinNewTokensLengthLogitsProcessor"):
+        with pytest.raises(ValueError, match=r"(MinLengthLogitsProcessor|MinNewTokensLengthLogitsProcessor) \(the "
+                                             r"generation option [a-z_ /]*min_(new_tokens|length)"):
             target.generate(**kw, **extra, custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
 
 

@@ -96,6 +96,20 @@ def _no_op(proc, prompt_length: int) -> bool:
     return False
 
 
+# The generation options behind transformers' processors, named in a refusal (min_new_tokens
+# arrives as MinLengthLogitsProcessor in transformers 5.24).
+_OPTION_OF = {
+    "MinLengthLogitsProcessor": "min_length / min_new_tokens", "MinNewTokensLengthLogitsProcessor": "min_new_tokens",
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty", "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "SuppressTokensLogitsProcessor": "suppress_tokens", "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "NoBadWordsLogitsProcessor": "bad_words_ids", "SequenceBiasLogitsProcessor": "sequence_bias",
+    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id", "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty", "MinPLogitsWarper": "min_p",
+    "TypicalLogitsWarper": "typical_p", "EpsilonLogitsWarper": "epsilon_cutoff", "EtaLogitsWarper": "eta_cutoff",
+    "LogitNormalization": "renormalize_logits", "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+}
+
+
 def _sampling_from_processors(logits_processor, do_sample: bool,
                               prompt_length: int = 0) -> tuple[float, int | None, float | None]:
     """(temperature, top_k, top_p) from the prepared warpers, which are the truth: generate has
@@ -105,8 +119,9 @@ def _sampling_from_processors(logits_processor, do_sample: bool,
     names = [type(p).__name__ for p in procs]
     for proc, name in zip(procs, names):
         if name not in _WARPER_ORDER:
+            option = f" (the generation option {_OPTION_OF[name]})" if name in _OPTION_OF else ""
             raise ValueError(
-                f"logits_processor {name} is not supported in speculative verification; remove the generation "
+                f"logits_processor {name}{option} is not supported in speculative verification; remove the generation "
                 "option or logits_processor entry that adds it (only temperature, top_k and top_p are supported)"
             )
         if not do_sample:
