@@ -388,11 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run `mmspec ARGS`. Called in-process (a notebook, a test), it puts back what the commands
-    set for the process: HF_HUB_OFFLINE, torch's thread count (`--threads`) and torch's global
-    random state (the benches seed it)."""
+    set for the process: HF_HUB_OFFLINE (the variable, and huggingface_hub's offline flag, read
+    once at its import), torch's thread count (`--threads`) and torch's global random state
+    (the benches seed it)."""
     import torch
 
     offline, threads, rng = os.environ.get("HF_HUB_OFFLINE"), torch.get_num_threads(), torch.random.get_rng_state()
+    hub = sys.modules.get("huggingface_hub.constants")
+    hub_offline = getattr(hub, "HF_HUB_OFFLINE", None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in mmspec downloads at run time
     try:
         return _main(argv)
@@ -401,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
             os.environ["HF_HUB_OFFLINE"] = offline
+        now = sys.modules.get("huggingface_hub.constants")
+        if now is not None:  # imported before: its flag as it was; during the call: as the restored variable says
+            now.HF_HUB_OFFLINE = hub_offline if hub is not None else (offline or "").upper() in ("1", "ON", "YES", "TRUE")
         torch.set_num_threads(threads)
         torch.random.set_rng_state(rng)
 

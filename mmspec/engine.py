@@ -33,7 +33,7 @@ from mmspec.sampling import SamplingConfig, check_generator, plain_number, probs
 from mmspec.stats import SpecStats
 from mmspec.timing import PhaseTimer
 from mmspec.position_noise import PositionNoise
-from mmspec.tree import verify_draft
+from mmspec.tree import chain_verify_name, verify_draft
 from mmspec.emit import _Emitter
 from mmspec.foreign_checks import check_draft, check_target_output, check_verdict, written_outside
 from mmspec.types import Draft
@@ -404,8 +404,9 @@ class _Loop:
         # (a user subclass of an mmspec drafter that keeps its `propose` is not; one set on the
         # instance is).
         self.foreign_drafter = written_outside(drafter, "propose")
-        self.foreign_rule = written_outside(rule, "verify_unchecked" if hasattr(rule, "verify_unchecked") else "verify")
-        self.foreign_target = written_outside(target, "verify")  # (its prefill and verify)
+        self.foreign_rule = written_outside(rule, chain_verify_name(rule))
+        self.foreign_target = written_outside(target, "verify")
+        self.foreign_prefill = written_outside(target, "prefill")
         self.drafter_began = False  # the drafter's prefill has run for this request
         # Drafter-invariant sampling (acceptance="invariant"): the loop perturbs the target's
         # distributions with noise keyed by (seed, row, position) and hands drafters the same noise.
@@ -423,7 +424,7 @@ class _Loop:
             input_ids, attention_mask, model_inputs, max_new_tokens, self.drafter.max_draft_nodes, features
         )
         self.stats.prefill_calls = 1
-        if self.foreign_target:
+        if self.foreign_prefill:
             check_target_output(tout, input_ids.shape[0], None, self.target.vocab_size, self.target, "prefill")
         probs = process_logits(tout.logits[:, -1], self.sampling)
         if not bool(_finite(tout.logits[:, -1], probs, self.sampling)):  # SYNC: once, after prefill

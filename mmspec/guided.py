@@ -49,7 +49,8 @@ PER_IMAGE_INPUTS = frozenset({"pixel_values", "pixel_values_videos", "image_size
 
 class GuidedTarget:
     """CFG over `target`. The unconditional prompts come from `uncond_input_ids` /
-    `uncond_attention_mask` (one row per conditional row, left-padded) or from
+    `uncond_attention_mask` (one row per conditional row, left-padded; without a mask every
+    unconditional token is taken as real, `pad_token_id` included: pass the tokenizer's mask) or from
     `make_uncond(input_ids, attention_mask, model_inputs) -> (ids, mask, model_inputs)`
     (e.g. LlamaGen: the null class). Tensor model inputs with a batch dimension are
     concatenated [cond; uncond] (by default the uncond half reuses the cond inputs; its

@@ -16,6 +16,8 @@ its current node.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mmspec.sampling import cached_arange, check_distributions, check_generator, draw, ids_in_range
@@ -139,6 +141,32 @@ def verify_tree_unchecked(rule, draft_tokens, parents, target_probs, *, generato
     return Verdict(path=path, num_accepted=num_accepted, next_tokens=next_tokens, distortion=distortion)
 
 
+def chain_verify_name(rule) -> str:
+    """The method the loop verifies a chain with: `verify_unchecked` (no validation, no host
+    sync) where the rule has one, unless a `verify` written outside mmspec overrides the class
+    that defines `verify_unchecked` (a user subclass's own `verify` would otherwise be skipped)."""
+    own = vars(rule) if hasattr(rule, "__dict__") else {}
+    if "verify_unchecked" in own:
+        return "verify_unchecked"
+    if "verify" in own:
+        return "verify"
+    return _chain_verify_name(type(rule))
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_verify_name(cls: type) -> str:
+    def owner(name):
+        return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+    unchecked, checked = owner("verify_unchecked"), owner("verify")
+    if unchecked is None:
+        return "verify"
+    if (checked is not None and checked is not unchecked and issubclass(checked, unchecked)
+            and not checked.__module__.startswith("mmspec.")):
+        return "verify"
+    return "verify_unchecked"
+
+
 def verify_draft(
     rule,
     draft: Draft,
@@ -153,8 +181,7 @@ def verify_draft(
     if not draft.is_chain:
         return verify_tree_unchecked(rule, draft.tokens, draft.parents, target_probs, generator=generator)
     B, N = draft.tokens.shape
-    chain_verify = getattr(rule, "verify_unchecked", None) or rule.verify
-    res = chain_verify(draft.tokens, draft.draft_probs, target_probs, generator=generator)
+    res = getattr(rule, chain_verify_name(rule))(draft.tokens, draft.draft_probs, target_probs, generator=generator)
     if not (hasattr(res, "num_accepted") and hasattr(res, "next_tokens")):  # (a rule written outside mmspec)
         raise TypeError(f"{type(rule).__name__}.verify must return a mmspec.types.AcceptanceResult, got "
                         f"{type(res).__name__}")

@@ -126,22 +126,30 @@ def _as_displayed_rgb(im):
     return im.convert("RGB")
 
 
-# generation_config fields that change what transformers' generate emits and that the speculative
-# loop has no counterpart for (sampling settings come from the pipeline call's own arguments).
-UNAPPLIED_GENERATION_FIELDS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "suppress_tokens",
-                               "begin_suppress_tokens", "min_length", "min_new_tokens", "forced_bos_token_id",
-                               "forced_eos_token_id", "sequence_bias", "exponential_decay_length_penalty", "min_p",
-                               "typical_p", "epsilon_cutoff", "eta_cutoff", "num_beams", "stop_strings")
+# generation_config settings that change what transformers' generate emits and that the speculative
+# loop has no counterpart for, each with generate's own test of whether it acts (5.x
+# `_get_logits_processor`); the last five are sampling warpers, which act only when sampling.
+# Sampling settings themselves come from the pipeline call's own arguments.
+_ACTIVE = {
+    "repetition_penalty": lambda v: v is not None and v != 1.0, "guidance_scale": lambda v: v is not None and v != 1,
+    "no_repeat_ngram_size": lambda v: bool(v) and v > 0, "min_length": lambda v: bool(v) and v > 0,
+    "min_new_tokens": lambda v: bool(v) and v > 0, "num_beams": lambda v: bool(v) and v > 1,
+    "bad_words_ids": bool, "suppress_tokens": bool, "begin_suppress_tokens": bool, "sequence_bias": bool,
+    "stop_strings": bool, "forced_bos_token_id": lambda v: v is not None, "forced_eos_token_id": lambda v: v is not None,
+    "exponential_decay_length_penalty": lambda v: v is not None, "watermarking_config": lambda v: v is not None,
+    "top_h": lambda v: v is not None, "min_p": lambda v: bool(v) and v > 0,
+    "typical_p": lambda v: v is not None and v < 1.0, "epsilon_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+    "eta_cutoff": lambda v: v is not None and 0.0 < v < 1.0,
+}
+_SAMPLING_ONLY = ("top_h", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
-def unapplied_generation_settings(config) -> list[str]:
-    """'name=value' for each field of `config` (a GenerationConfig) in UNAPPLIED_GENERATION_FIELDS
-    that is not transformers' default."""
-    from transformers import GenerationConfig
-
-    default = GenerationConfig()
-    return [f"{name}={getattr(config, name)!r}" for name in UNAPPLIED_GENERATION_FIELDS
-            if getattr(config, name, None) != getattr(default, name, None)]
+def unapplied_generation_settings(config, sampling: bool) -> list[str]:
+    """'name=value' for each setting of `config` (a GenerationConfig) that would act in
+    transformers' generate and that the speculative loop cannot apply (sampling warpers only
+    when `sampling`)."""
+    return [f"{name}={getattr(config, name, None)!r}" for name, active in _ACTIVE.items()
+            if (sampling or name not in _SAMPLING_ONLY) and active(getattr(config, name, None))]
 
 
 class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
@@ -414,7 +422,7 @@ class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):
             raise ValueError("speculative=True needs a drafter: pass drafter= to from_pretrained, call "
                              "pipe.load_drafter(...), or use speculative=False")
         drafter = self._check_drafter(self.drafter) if speculative else PlainDecoding(self._spec_target.vocab_size)
-        unapplied = unapplied_generation_settings(self.target.generation_config)
+        unapplied = unapplied_generation_settings(self.target.generation_config, temperature != 0)
         if unapplied:  # (Python shows one warning text once per process)
             warnings.warn(f"the target's generation_config sets {', '.join(unapplied)}, which this pipeline does not "
                           "apply (it decodes the model's own distribution, sampled by the call's temperature / top_k / "

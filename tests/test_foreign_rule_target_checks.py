@@ -116,3 +116,31 @@ def test_mmspec_rules_and_targets_are_not_checked(target, good_drafter, monkeypa
     assert torch.equal(out.sequences, reference(target, ids, mask, 6)) and not calls
     _run(Wrapped(target), ModelDrafter(good_drafter, 3), n=6, acceptance=CustomGreedy())
     assert calls  # (the same counter sees the custom ones)
+
+
+def test_a_subclass_overriding_only_prefill_or_verify_is_checked_there(target, good_drafter):
+    class ShortPrefill(HFTarget):
+        def prefill(self, *args):
+            out = super().prefill(*args)
+            return TargetOutput(logits=out.logits[..., :-1])
+
+    with pytest.raises(ValueError, match=r"ShortPrefill.prefill returned logits \(4, \d+, 39\); they must be "):
+        _run(ShortPrefill(target), ModelDrafter(good_drafter, 3))
+
+
+def test_a_user_subclass_overriding_verify_is_what_runs(target, good_drafter):
+    """A subclass of an mmspec chain rule whose own `verify` overrides the inherited one: the loop
+    ran the inherited `verify_unchecked`, so the override was silently skipped."""
+    from mmspec.acceptance import ExactAcceptance
+
+    calls = []
+
+    class Counting(ExactAcceptance):
+        def verify(self, draft_tokens, draft_probs, target_probs, *, generator=None):
+            calls.append(draft_tokens.shape)
+            return super().verify(draft_tokens, draft_probs, target_probs, generator=generator)
+
+    ids, mask = left_padded(LENGTHS)
+    out = mmspec.speculative_generate(target, ModelDrafter(good_drafter, 3), ids, mask, temperature=1.0,
+                                      max_new_tokens=6, acceptance=Counting(), generator=torch.Generator().manual_seed(0))
+    assert len(calls) == len(out.stats.nodes_per_step) > 1  # every step (an overridden verify gets K = 0 steps too)

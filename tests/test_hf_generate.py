@@ -273,3 +273,13 @@ def test_no_attention_mask_takes_padding_from_pad_token_id_as_generate_does(targ
     with pytest.raises(ValueError, match=r"equals input_ids != pad_token_id=0: transformers' generate builds it"):
         target.generate(input_ids=holed, do_sample=False, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
                         custom_generate=speculative_decoding, drafter=ModelDrafter(good_drafter, 3))
+
+
+def test_a_right_padded_mask_is_told_to_pad_on_the_left(target, good_drafter):
+    """Right padding equals input_ids != pad too, but it is no hole inside a prompt: the refusal
+    says to pad on the left, as speculative_generate's does."""
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
+    with pytest.raises(ValueError, match=r"must be left-padded .* re-tokenize with padding_side='left'"):
+        target.generate(input_ids=ids, attention_mask=(ids != 0).long(), do_sample=False, max_new_tokens=4,
+                        eos_token_id=2, pad_token_id=0, custom_generate=speculative_decoding,
+                        drafter=ModelDrafter(good_drafter, 3))

@@ -52,11 +52,23 @@ def test_generation_config_settings_the_loop_cannot_apply_are_named_in_a_warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the defaults warn of nothing
         pipe(image, max_new_tokens=4)
-    model.generation_config.repetition_penalty = 1.05
-    model.generation_config.min_new_tokens = 8
-    with pytest.warns(UserWarning, match=r"sets repetition_penalty=1.05, min_new_tokens=8, which this pipeline does "
-                                         r"not apply"):
+    cfg = model.generation_config
+    # neutral values (what resetting a setting gives) act nowhere and warn of nothing
+    cfg.repetition_penalty, cfg.num_beams, cfg.min_new_tokens, cfg.no_repeat_ngram_size = 1.0, 1, 0, 0
+    cfg.typical_p, cfg.suppress_tokens, cfg.guidance_scale = 1.0, [], 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         pipe(image, max_new_tokens=4)
+    cfg.repetition_penalty, cfg.min_new_tokens, cfg.guidance_scale = 1.05, 8, 3.0
+    with pytest.warns(UserWarning, match=r"sets repetition_penalty=1.05, guidance_scale=3.0, min_new_tokens=8, "
+                                         r"which this pipeline does not apply"):
+        pipe(image, max_new_tokens=4)
+    cfg.repetition_penalty, cfg.min_new_tokens, cfg.guidance_scale, cfg.min_p = None, None, None, 0.1
+    with warnings.catch_warnings():  # a sampling warper acts only when sampling
+        warnings.simplefilter("error")
+        pipe(image, max_new_tokens=4)
+    with pytest.warns(UserWarning, match=r"sets min_p=0.1, which"):
+        pipe(image, max_new_tokens=4, temperature=1.0)
 
 
 def test_batched_answers_of_different_lengths_equal_each_item_alone():
@@ -77,3 +89,20 @@ def test_batched_answers_of_different_lengths_equal_each_item_alone():
     plain = pipe(images[:2], max_new_tokens=6, temperature=1.0, speculative=False, acceptance="typical",
                  generator=torch.Generator().manual_seed(0))
     assert plain.stats.lossless is True
+
+
+def test_overlapping_calls_put_the_modes_back_when_the_last_one_ends():
+    """Two calls at once (two threads) on one model: the second saw the first's eval modes and
+    put those back; the caller's training mode is restored only when the last call ends."""
+    from mmspec.models.eval_mode import eval_modes
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
+    model[0].eval()  # a part kept in eval mode on purpose
+    first, second = eval_modes(model), eval_modes(model)
+    first.__enter__()
+    second.__enter__()
+    assert not any(m.training for m in model.modules())
+    first.__exit__(None, None, None)
+    assert not any(m.training for m in model.modules())  # the second call still runs in eval mode
+    second.__exit__(None, None, None)
+    assert [m.training for m in model.modules()] == [True, False, True]

@@ -10,6 +10,7 @@ verification keeps the output exact."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -44,16 +45,33 @@ def check_eval_mode(model: torch.nn.Module, role: str = "target") -> None:
         )
 
 
+_HELD: dict[int, tuple[int, list]] = {}  # id(module) -> (calls inside, the modes to put back)
+_HELD_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def eval_modes(*models: torch.nn.Module | None):
     """Every module of `models` (None skipped) in eval mode inside the block, each put back to
     its own mode after it, also when the block raises (a pipeline called between training steps
-    leaves the caller's train / eval modes as they were)."""
-    saved = [(m, m.training) for model in models if model is not None for m in model.modules()]
-    for m, _ in saved:
-        m.training = False
+    leaves the caller's train / eval modes as they were). Blocks that overlap (calls from two
+    threads) share one saved state: the modes come back when the last of them ends."""
+    roots = [m for m in models if m is not None]
+    with _HELD_LOCK:
+        for root in roots:
+            count, saved = _HELD.get(id(root), (0, None))
+            if count == 0:
+                saved = [(m, m.training) for m in root.modules()]
+                for m, _ in saved:
+                    m.training = False
+            _HELD[id(root)] = (count + 1, saved)
     try:
         yield
     finally:
-        for m, mode in saved:  # per module: a model may keep some parts in eval mode on purpose
-            m.training = mode
+        with _HELD_LOCK:
+            for root in reversed(roots):  # (a module shared by two roots gets its first root's saved mode)
+                count, saved = _HELD.pop(id(root))
+                if count > 1:
+                    _HELD[id(root)] = (count - 1, saved)
+                else:  # per module: a model may keep some parts in eval mode on purpose
+                    for m, mode in saved:
+                        m.training = mode

@@ -298,7 +298,9 @@ def speculative_decoding(
     attention_mask = model_kwargs.pop("attention_mask", None)
     if attention_mask is not None and cfg.pad_token_id is not None and attention_mask.shape == input_ids.shape:
         am = attention_mask.long()
-        if bool((am[:, 1:] < am[:, :-1]).any()) and torch.equal(am, (input_ids != pad).long()):  # SYNC: once
+        seen_before, seen_after = am.cummax(1).values, am.flip(1).cummax(1).values.flip(1)
+        hole = (am == 0) & (seen_before == 1) & (seen_after == 1)  # a 0 between 1s (right padding is no hole)
+        if bool(hole.any()) and torch.equal(am, (input_ids != pad).long()):  # SYNC: once
             raise ValueError(  # most likely the mask generate built from pad_token_id, not a tokenizer's
                 f"the attention_mask has a hole inside a prompt and equals input_ids != pad_token_id={pad}: transformers' "
                 "generate builds it that way when no attention_mask is passed and pad_token_id occurs inside a prompt; "
