@@ -31,8 +31,8 @@ class EagleHeadConfig:
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} must divide into num_attention_heads {self.num_attention_heads}, "
-                f"which must divide into num_key_value_heads {self.num_key_value_heads}"
+                f"hidden_size {self.hidden_size} must be divisible by num_attention_heads {self.num_attention_heads}, "
+                f"and num_attention_heads by num_key_value_heads {self.num_key_value_heads}"
             )
         if self.kind not in ("eagle", "vispec", "flash"):
             raise ValueError(f"EagleHeadConfig.kind must be 'eagle', 'vispec' or 'flash', got {self.kind!r}")
