@@ -406,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["HF_HUB_OFFLINE"] = offline
         now = sys.modules.get("huggingface_hub.constants")
         if now is not None:  # imported before: its flag as it was; during the call: as the restored variable says
-            now.HF_HUB_OFFLINE = hub_offline if hub is not None else (offline or "").upper() in ("1", "ON", "YES", "TRUE")
+            now.HF_HUB_OFFLINE = hub_offline if hub is not None else (  # (as huggingface_hub reads it)
+                (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").upper()
+                in ("1", "ON", "YES", "TRUE"))
         torch.set_num_threads(threads)
         torch.random.set_rng_state(rng)
 

@@ -240,10 +240,10 @@ def _plain_k0(rule) -> bool:
     from mmspec.acceptance.greedy import GreedyAcceptance
 
     cls = type(rule)
-    if not isinstance(rule, ChainRule):
-        return False
+    if not isinstance(rule, ChainRule) or chain_verify_name(rule) != "verify_unchecked":
+        return False  # (a `verify` of a user's own runs at every step)
     if cls.verify_unchecked is GreedyAcceptance.verify_unchecked and cls.sample is GreedyAcceptance.sample:
-        return True  # greedy verification (also under a checked `verify` of its own: the loop calls neither)
+        return True  # greedy verification (also under mmspec's checked `verify`: the loop calls neither)
     return cls.verify is ChainRule.verify and cls.verify_unchecked is ChainRule.verify_unchecked
 
 
@@ -404,7 +404,8 @@ class _Loop:
         # (a user subclass of an mmspec drafter that keeps its `propose` is not; one set on the
         # instance is).
         self.foreign_drafter = written_outside(drafter, "propose")
-        self.foreign_rule = written_outside(rule, chain_verify_name(rule))
+        self.verify_name = chain_verify_name(rule)
+        self.foreign_rule = written_outside(rule, self.verify_name)
         self.foreign_target = written_outside(target, "verify")
         self.foreign_prefill = written_outside(target, "prefill")
         self.drafter_began = False  # the drafter's prefill has run for this request
@@ -496,8 +497,8 @@ class _Loop:
                 drafted_ok = (probs_finite(draft.draft_probs) if draft.draft_probs is not None
                               else probs.new_ones((), dtype=torch.bool))
                 finite = torch.stack([_finite(tout.logits, probs, self.sampling), drafted_ok])
-            verdict = (verify_draft(self.rule, draft, probs, generator=self.generator) if starts is None
-                       else self.noise.verdict(self.rule, draft, probs, rows, starts))  # acceptance="invariant"
+            verdict = (verify_draft(self.rule, draft, probs, generator=self.generator, method=self.verify_name)
+                       if starts is None else self.noise.verdict(self.rule, draft, probs, rows, starts, self.verify_name))
             if self.foreign_rule:
                 check_verdict(verdict, len(rows), draft.tokens.shape[1], self.target.vocab_size, emitter.on_host,
                               self.rule)

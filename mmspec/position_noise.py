@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from mmspec.sampling import draw
-from mmspec.tree import ancestors, depths, verify_draft
+from mmspec.tree import ancestors, chain_verify_name, depths, verify_draft
 from mmspec.types import Draft, Verdict
 
 _MASK = (1 << 64) - 1
@@ -118,11 +118,15 @@ class PositionNoise:
         """The one-hot [R, M, V] of `argmax` (a distribution the rules' chain and tree walks take)."""
         return torch.nn.functional.one_hot(self.argmax(probs, rows, starts, parents), probs.shape[-1]).to(probs.dtype)
 
-    def verdict(self, rule, draft: Draft, probs: torch.Tensor, rows: list[int], starts: list[int]) -> Verdict:
+    def verdict(self, rule, draft: Draft, probs: torch.Tensor, rows: list[int], starts: list[int],
+                method: str | None = None) -> Verdict:
         """The loop's verdict under a position-keyed rule: chains from the perturbed argmax tokens
-        (`rule.verify_top`), trees by the rule's tree walk over their one-hots."""
-        if not draft.is_chain or not hasattr(rule, "verify_top"):  # (a position-keyed rule of your own: its walk)
-            return verify_draft(rule, draft, self.perturb(probs, rows, starts, None if draft.is_chain else draft.parents))
+        (`rule.verify_top`), trees by the rule's tree walk over their one-hots; a rule whose own
+        `verify` runs (`method`, see `mmspec.tree.chain_verify_name`) gets the one-hots too."""
+        method = method or chain_verify_name(rule)
+        if not draft.is_chain or not hasattr(rule, "verify_top") or method != "verify_unchecked":
+            return verify_draft(rule, draft, self.perturb(probs, rows, starts, None if draft.is_chain else draft.parents),
+                                method=method)
         res = rule.verify_top(draft.tokens, self.argmax(probs, rows, starts))
         B, N = draft.tokens.shape
         path = torch.arange(N + 1, device=probs.device).expand(B, N + 1)

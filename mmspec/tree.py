@@ -16,8 +16,6 @@ its current node.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from mmspec.sampling import cached_arange, check_distributions, check_generator, draw, ids_in_range
@@ -143,26 +141,19 @@ def verify_tree_unchecked(rule, draft_tokens, parents, target_probs, *, generato
 
 def chain_verify_name(rule) -> str:
     """The method the loop verifies a chain with: `verify_unchecked` (no validation, no host
-    sync) where the rule has one, unless a `verify` written outside mmspec overrides the class
-    that defines `verify_unchecked` (a user subclass's own `verify` would otherwise be skipped)."""
+    sync) where the rule has one, unless a `verify` written outside mmspec comes before it in the
+    rule's method resolution order (a user subclass's or mixin's own `verify` would otherwise be
+    skipped). The loop asks once per request."""
     own = vars(rule) if hasattr(rule, "__dict__") else {}
     if "verify_unchecked" in own:
         return "verify_unchecked"
     if "verify" in own:
         return "verify"
-    return _chain_verify_name(type(rule))
-
-
-@functools.lru_cache(maxsize=None)
-def _chain_verify_name(cls: type) -> str:
-    def owner(name):
-        return next((k for k in cls.__mro__ if name in vars(k)), None)
-
-    unchecked, checked = owner("verify_unchecked"), owner("verify")
-    if unchecked is None:
-        return "verify"
-    if (checked is not None and checked is not unchecked and issubclass(checked, unchecked)
-            and not checked.__module__.startswith("mmspec.")):
+    mro = type(rule).__mro__
+    unchecked = next((i for i, k in enumerate(mro) if "verify_unchecked" in vars(k)), None)
+    checked = next((i for i, k in enumerate(mro) if "verify" in vars(k)), None)
+    if unchecked is None or (checked is not None and checked < unchecked
+                             and not str(mro[checked].__module__).startswith("mmspec.")):
         return "verify"
     return "verify_unchecked"
 
@@ -173,15 +164,18 @@ def verify_draft(
     target_probs: torch.Tensor,  # [B, N+1, V] processed target distributions, position 0 = root
     *,
     generator: torch.Generator | None = None,
+    method: str | None = None,
 ) -> Verdict:
     """One verdict type for chains and trees: a chain goes through the rule's vectorised
     `verify` (its path is `arange`), a tree through `verify_tree`. Inside the loop the inputs
     are well formed, so a rule's optional `verify_unchecked` (no validation, no host sync) is
-    used when it has one (see `mmspec.protocols.AcceptanceRule`)."""
+    used when it has one (see `mmspec.protocols.AcceptanceRule`); `method` names the one to
+    call (`chain_verify_name(rule)`, which the loop reads once per request)."""
     if not draft.is_chain:
         return verify_tree_unchecked(rule, draft.tokens, draft.parents, target_probs, generator=generator)
     B, N = draft.tokens.shape
-    res = getattr(rule, chain_verify_name(rule))(draft.tokens, draft.draft_probs, target_probs, generator=generator)
+    res = getattr(rule, method or chain_verify_name(rule))(draft.tokens, draft.draft_probs, target_probs,
+                                                          generator=generator)
     if not (hasattr(res, "num_accepted") and hasattr(res, "next_tokens")):  # (a rule written outside mmspec)
         raise TypeError(f"{type(rule).__name__}.verify must return a mmspec.types.AcceptanceResult, got "
                         f"{type(res).__name__}")

@@ -147,9 +147,18 @@ _SAMPLING_ONLY = ("top_h", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 def unapplied_generation_settings(config, sampling: bool) -> list[str]:
     """'name=value' for each setting of `config` (a GenerationConfig) that would act in
     transformers' generate and that the speculative loop cannot apply (sampling warpers only
-    when `sampling`)."""
-    return [f"{name}={getattr(config, name, None)!r}" for name, active in _ACTIVE.items()
-            if (sampling or name not in _SAMPLING_ONLY) and active(getattr(config, name, None))]
+    when `sampling`), and the decoding mode when it is neither greedy search nor sampling
+    (contrastive search, DoLa, beams, assisted decoding)."""
+    found = [f"{name}={getattr(config, name, None)!r}" for name, active in _ACTIVE.items()
+             if (sampling or name not in _SAMPLING_ONLY) and active(getattr(config, name, None))]
+    try:
+        mode = config.get_generation_mode()
+    except Exception:  # (a config generate itself would refuse: its settings are named above, or not used)
+        mode = None
+    name = str(getattr(mode, "value", mode or ""))
+    if name and name not in ("greedy_search", "sample") and not any(f.startswith("num_beams=") for f in found):
+        found.append(f"generation mode {name!r}")
+    return found
 
 
 class SpeculativeVLMPipeline(RefusesOffload, DiffusionPipeline):

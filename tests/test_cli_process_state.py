@@ -39,15 +39,16 @@ def test_main_puts_back_offline_flag_threads_and_random_state(monkeypatch):
     assert os.environ["HF_HUB_OFFLINE"] == "0"
 
 
-def test_huggingface_hub_first_imported_inside_main_is_not_left_offline():
-    """huggingface_hub reads HF_HUB_OFFLINE once, at import: imported by a command that main ran
-    offline, it stayed offline for the rest of the process."""
-    code = ("import os; os.environ.pop('HF_HUB_OFFLINE', None)\n"
-            "import sys; assert 'huggingface_hub' not in sys.modules\n"
+@pytest.mark.parametrize("env, offline", [({}, "False"), ({"TRANSFORMERS_OFFLINE": "1"}, "True")])
+def test_huggingface_hub_first_imported_inside_main_is_left_as_the_environment_says(env, offline):
+    """huggingface_hub reads HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) once, at import: imported by
+    a command that main ran offline, it stayed offline for the rest of the process."""
+    code = ("import sys\n"
             "from mmspec.cli import main\n"
+            "assert 'huggingface_hub' not in sys.modules\n"
             "try:\n    main(['caption', '/nonexistent.png', '--model', '/nonexistent'])\nexcept SystemExit:\n    pass\n"
             "import huggingface_hub\nassert 'huggingface_hub' in sys.modules\nprint(huggingface_hub.is_offline_mode())")
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    base = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**base, **env}, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert out.stdout.strip().splitlines()[-1] == offline

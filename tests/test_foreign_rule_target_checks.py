@@ -144,3 +144,42 @@ def test_a_user_subclass_overriding_verify_is_what_runs(target, good_drafter):
     out = mmspec.speculative_generate(target, ModelDrafter(good_drafter, 3), ids, mask, temperature=1.0,
                                       max_new_tokens=6, acceptance=Counting(), generator=torch.Generator().manual_seed(0))
     assert len(calls) == len(out.stats.nodes_per_step) > 1  # every step (an overridden verify gets K = 0 steps too)
+
+
+@pytest.mark.parametrize("kind", ["greedy-subclass", "mixin", "invariant-subclass"])
+def test_a_users_own_verify_runs_at_every_step_whatever_the_class_layout(target, good_drafter, kind):
+    """Greedy rules took a plain-argmax shortcut on K = 0 steps, a mixin's verify placed first in the
+    class order was skipped, and the position-keyed path called the inherited verify_top."""
+    from mmspec.acceptance import ExactAcceptance
+    from mmspec.acceptance.greedy import GreedyAcceptance
+    from mmspec.acceptance.invariant import DrafterInvariantAcceptance
+    from mmspec.drafters import NullDrafter
+
+    calls = []
+
+    class Counting:  # a mixin placed first in the class order
+        def verify(self, draft_tokens, draft_probs, target_probs, *, generator=None):
+            calls.append(draft_tokens.shape[1])
+            return super().verify(draft_tokens, draft_probs, target_probs, generator=generator)
+
+    class Greedy(GreedyAcceptance):
+        def verify(self, draft_tokens, draft_probs, target_probs, *, generator=None):
+            calls.append(draft_tokens.shape[1])
+            return super().verify(draft_tokens, draft_probs, target_probs, generator=generator)
+
+    class Invariant(DrafterInvariantAcceptance):
+        def verify(self, draft_tokens, draft_probs, target_probs, *, generator=None):
+            calls.append(draft_tokens.shape[1])
+            return super().verify(draft_tokens, draft_probs, target_probs, generator=generator)
+
+    class Mixed(Counting, ExactAcceptance):
+        pass
+
+    rule = {"greedy-subclass": Greedy, "mixin": Mixed, "invariant-subclass": Invariant}[kind]()
+    ids, mask = left_padded(LENGTHS)
+    for drafter in (ModelDrafter(good_drafter, 3), NullDrafter(40)):
+        calls.clear()
+        out = mmspec.speculative_generate(target, drafter, ids, mask, max_new_tokens=6, acceptance=rule,
+                                          temperature=0 if kind == "greedy-subclass" else 1.0,
+                                          generator=torch.Generator().manual_seed(0))
+        assert len(calls) == len(out.stats.nodes_per_step) > 1

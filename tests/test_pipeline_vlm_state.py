@@ -69,6 +69,9 @@ def test_generation_config_settings_the_loop_cannot_apply_are_named_in_a_warning
         pipe(image, max_new_tokens=4)
     with pytest.warns(UserWarning, match=r"sets min_p=0.1, which"):
         pipe(image, max_new_tokens=4, temperature=1.0)
+    cfg.min_p, cfg.dola_layers = None, "low"  # another decoding mode than greedy search or sampling
+    with pytest.warns(UserWarning, match=r"sets generation mode 'dola_generation', which"):
+        pipe(image, max_new_tokens=4)
 
 
 def test_batched_answers_of_different_lengths_equal_each_item_alone():
@@ -106,3 +109,9 @@ def test_overlapping_calls_put_the_modes_back_when_the_last_one_ends():
     assert not any(m.training for m in model.modules())  # the second call still runs in eval mode
     second.__exit__(None, None, None)
     assert [m.training for m in model.modules()] == [True, False, True]
+    with pytest.raises(TypeError, match="eval_modes takes torch.nn.Module objects"):
+        with eval_modes(model, "not a module"):
+            pass
+    assert [m.training for m in model.modules()] == [True, False, True]  # untouched, nothing left held
+    with eval_modes(model):
+        assert not any(m.training for m in model.modules())

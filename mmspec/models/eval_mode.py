@@ -56,7 +56,10 @@ def eval_modes(*models: torch.nn.Module | None):
     leaves the caller's train / eval modes as they were). Blocks that overlap (calls from two
     threads) share one saved state: the modes come back when the last of them ends."""
     roots = [m for m in models if m is not None]
-    with _HELD_LOCK:
+    bad = [type(m).__name__ for m in roots if not isinstance(m, torch.nn.Module)]
+    if bad:
+        raise TypeError(f"eval_modes takes torch.nn.Module objects (or None), got {', '.join(bad)}")
+    with _HELD_LOCK:  # (no exception between here and the try: Module objects only)
         for root in roots:
             count, saved = _HELD.get(id(root), (0, None))
             if count == 0:
