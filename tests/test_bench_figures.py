@@ -113,3 +113,98 @@ def test_bench_flags_keep_every_comma_separated_value():
 
     config = _bench_config(build_parser().parse_args(["bench", "--batch-sizes", "1,8", "--draft-tokens", "4,3"]))
     assert tuple(config.batch_sizes) == (1, 8) and tuple(config.num_draft_tokens) == (4, 3)
+
+
+def test_draft_length_rows_follow_their_definitions(monkeypatch):
+    import mmspec
+    from mmspec.bench import draft_length as dl
+
+    secs = {"plain": 1.0, "mmspec plain": 1.1, "K=1": 0.8, "K=2": 0.5, "auto": 0.6, "assisted": 0.9,
+            "assisted same kernels": 0.85}
+    real = dl._interleaved
+
+    def interleaved(methods, repeats, samples=None, order="alternate"):
+        out = real(methods, repeats, samples, order)
+        for k in samples:
+            samples[k] = [secs[k]] * repeats
+        return out
+
+    monkeypatch.setattr(dl, "_interleaved", interleaved)
+    pair = PairConfig(vocab_size=256, hidden_size=64, intermediate_size=128, target_layers=2, heads=4)
+    cfg = dl.DraftLengthBench(pairs=("bench",), batch_sizes=(1,), fixed_k=(1, 2), k_max=3, max_new_tokens=8,
+                              repeats=2, pair=pair, prompts=1)
+    (row,) = dl.run(cfg, progress=lambda m: None)["rows"]
+    assert "2" in str(row["best_fixed"]) and "1" not in str(row["best_fixed"])
+    assert row["auto_vs_best_fixed"] == pytest.approx(0.5 / 0.6, abs=1e-3)
+    assert row["identical_to_plain"] is True
+    generate = mmspec.speculative_generate
+
+    def corrupt_k2(target, drafter, *a, **k):
+        out = generate(target, drafter, *a, **k)
+        if getattr(drafter, "num_draft_tokens", None) == 2:
+            out.sequences[:, -1] = (out.sequences[:, -1] + 1) % 256
+        return out
+
+    monkeypatch.setattr(mmspec, "speculative_generate", corrupt_k2)
+    (row,) = dl.run(cfg, progress=lambda m: None)["rows"]
+    assert row["identical_to_plain"] is False
+    assert dl.resolution([{"pair": "p", "batch": 1, "auto_vs_best_fixed": 1.0, "auto_vs_plain": 1.0}])[
+        "misses_vs_plain"] == 0  # exactly 1.0x plain is no miss
+
+
+def test_vlm_bench_rows_use_medians_and_every_rounds_answers(monkeypatch):
+    from collections import Counter
+
+    from mmspec.bench import vlm
+
+    real, calls = vlm._run, Counter()
+
+    def run(pipe, m, images, prompts, B, cfg, seed):
+        out, _ = real(pipe, m, images, prompts, B, cfg, seed)
+        i = calls[m]
+        calls[m] += 1  # call 0: warm-up, 1: round 1, 2: round 2
+        if m == "vispec" and i == 1:
+            out.sequences = [x.clone() for x in out.sequences]
+            out.sequences[0][-1] += 1
+        return out, {"plain": 1.0 if i == 1 else 3.0, "generate": 0.8}.get(m, 0.5 if i == 1 else 0.25)
+
+    monkeypatch.setattr(vlm, "_run", run)
+    cfg = vlm.VLMBenchConfig(num_scenes=2, batch_sizes=(2,), drafters=("vispec",), tasks=("caption",),
+                             max_new_tokens=8, repeats=2, warmup_scenes=1, threads=1, verify_widths=(1, 4))
+    v = vlm.run(cfg)["runs"][0]["methods"]["vispec"]
+    assert v["speedup_vs_plain"] == pytest.approx(2 / 0.375, abs=1e-3)  # medians: plain 2.0 s, vispec 0.375 s
+    assert v["identical_to_plain"] is False  # round 1's answer differed
+
+
+def test_mar_bench_rows_use_medians(tmp_path, monkeypatch):
+    from test_cli_mar import save_pair
+
+    from mmspec.bench import mar
+
+    folder = save_pair(tmp_path / "imagegen", metrics={"config": {"eval_num_iter": 4}})
+    real = mar.run_chunk
+
+    def run_chunk(pipe, chunk, call, seed, totals):
+        wall, sec_t, calls_t = totals["wall"], totals["sec_t"], totals["calls_t"]
+        real(pipe, chunk, call, seed, totals)
+        plain = not call["speculative"] and call["num_iter"] == 4
+        totals["wall"] = wall + (1.0 if plain else 0.5)
+        r = seed // 100_003  # round r of seed 0
+        totals["sec_t"] = sec_t + (totals["calls_t"] - calls_t) * (0.004 if r == 1 else 0.009)
+
+    monkeypatch.setattr(mar, "run_chunk", run_chunk)
+    rows = mar.run(mar.MARBenchConfig(model=str(folder), batch_sizes=(1,), num_images=2, repeats=2,
+                                      threads=1))["batches"][0]["methods"]
+    assert rows["cspd"]["speedup_vs_plain"] == pytest.approx(2.0)
+    assert rows["plain"]["ms_per_target_call"] == pytest.approx(6.5)  # the median of 4 and 9 ms
+
+
+def test_mar_cli_names_a_bad_num_images(tmp_path):
+    from test_cli_mar import save_pair
+
+    from mmspec.cli import main
+
+    folder = save_pair(tmp_path / "imagegen", metrics={"config": {"eval_num_iter": 4}})
+    with pytest.raises(SystemExit, match="--num-images"):
+        main(["generate", "--model", str(folder), "--out", str(tmp_path / "out"), "--threads", "1", "--class", "1",
+              "--num-images", "0"])
