@@ -12,7 +12,7 @@ import torch
 import mmspec
 from mmspec.drafters import ModelDrafter
 
-from conftest import left_padded, noisy_copy, tiny_llama
+from conftest import left_padded, noisy_copy
 from test_core_hardening import plain_greedy, windowed
 
 
